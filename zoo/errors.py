@@ -1,0 +1,57 @@
+"""One error type for everything a user can get wrong or the machine cannot do.
+
+Every ``ZooError`` carries what went wrong and what to do about it; the CLI prints both and exits non-zero
+without a traceback. Anything else escaping the CLI is a bug in zoo and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class ZooError(Exception):
+    """A failure the user can act on. ``hint`` says what to do; ``exit_code`` is what the CLI returns."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, hint: Optional[str] = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message}\n  what to do: {self.hint}"
+
+
+class RecipeError(ZooError):
+    """Unknown recipe, unknown or ill-typed key, bad override."""
+
+
+class PullError(ZooError):
+    """The checkpoint could not be found, downloaded or loaded."""
+
+
+class ExportError(ZooError):
+    """torch.export or a policy's export unit failed."""
+
+
+class RewriteDeclined(ZooError):
+    """A required rewrite declined the program; the message names the op and the source line."""
+
+
+class LoweringError(ZooError):
+    """ExecuTorch lowering failed or was refused before compiling (kernel preflight)."""
+
+
+class NoGpuError(ZooError):
+    """A stage needs a CUDA device and none is present."""
+
+
+class VerificationFailed(ZooError):
+    """The artifact does not compute what eager PyTorch computes, within the recipe's tolerances."""
+
+    exit_code = 3
+
+
+class PublishRefused(ZooError):
+    """zoo refuses to publish: unverified run, hash mismatch, no token, no write access."""
