@@ -1,0 +1,118 @@
+"""The bundle's wheel resolution, leave-out rule and manifest, built from a local index of fixture packages.
+
+No network: pip resolves and downloads from a folder of wheels and one source distribution made here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from zoo.bundle import build_bundle, leave_out, parse_have, platform_tags, ResolvedPackage, BundleError
+
+
+def make_wheel(folder: Path, name: str, version: str, requires=()) -> Path:
+    dist = f"{name.replace('-', '_')}-{version}"
+    path = folder / f"{dist}-py3-none-any.whl"
+    meta = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    meta += [f"Requires-Dist: {r}" for r in requires]
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{name.replace('-', '_')}/__init__.py", f"VERSION = {version!r}\n")
+        zf.writestr(f"{dist}.dist-info/METADATA", "\n".join(meta) + "\n")
+        zf.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{dist}.dist-info/RECORD", "")
+    return path
+
+
+def make_sdist(folder: Path, name: str, version: str) -> Path:
+    """A setuptools source distribution with no wheel, like antlr4-python3-runtime 4.9.3 on PyPI."""
+    base = f"{name.replace('-', '_')}-{version}"
+    files = {
+        f"{base}/setup.py": f"from setuptools import setup\nsetup(name={name!r}, version={version!r}, py_modules=['zoofix_src'])\n",
+        f"{base}/zoofix_src.py": "X = 1\n",
+        f"{base}/PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+    }
+    path = folder / f"{base}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for arc, text in files.items():
+            data = text.encode()
+            info = tarfile.TarInfo(arc)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def local_index(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("index")
+    make_wheel(folder, "zoofix-root", "1.0", ["zoofix-dep>=1", "zoofix-heavy", "zoofix-src==1.0", "zoofix-shared"])
+    make_wheel(folder, "zoofix-dep", "1.2", ["zoofix-shared"])
+    make_wheel(folder, "zoofix-dep", "0.9")
+    make_wheel(folder, "zoofix-heavy", "2.0", ["zoofix-heavydep", "zoofix-shared"])
+    make_wheel(folder, "zoofix-heavydep", "3.1")
+    make_wheel(folder, "zoofix-shared", "1.0")
+    make_wheel(folder, "zoofix-unused", "1.0")
+    make_sdist(folder, "zoofix-src", "1.0")
+    return folder
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_bundle_from_local_index_leaves_out_what_the_target_has(local_index, tmp_path):
+    out = tmp_path / "bundle"
+    manifest = build_bundle(out, recipes=(), python="3.12", platform="manylinux_2_28_x86_64",
+                            have=parse_have(["zoofix-heavy"], None), weights=False,
+                            requirements=["zoofix-root"], find_links=[str(local_index)], no_index=True,
+                            sdist_only={"zoofix-src": "1.0"})
+    names = sorted(Path(w["file"]).name.split("-")[0] for w in manifest.wheels)
+    # heavy is on the target; heavydep is needed only by heavy; shared is also needed by dep, so it travels.
+    assert names == ["zoofix_dep", "zoofix_root", "zoofix_shared", "zoofix_src"]
+    assert manifest.left_out == {"zoofix-heavy": "the target has it",
+                                 "zoofix-heavydep": "needed only by packages the target has"}
+    assert any(w["file"] == "wheels/zoofix_dep-1.2-py3-none-any.whl" for w in manifest.wheels)  # newest allowed
+    for record in manifest.wheels:
+        path = out / record["file"]
+        assert record["bytes"] == path.stat().st_size and record["sha256"] == sha256(path)
+    on_disk = sorted(p.name for p in (out / "wheels").iterdir())
+    assert on_disk == sorted(Path(w["file"]).name for w in manifest.wheels)
+    assert manifest.total_bytes == sum(w["bytes"] for w in manifest.wheels)
+    assert (out / "manifest.json").exists()
+
+
+def test_have_with_another_version_still_bundles_the_package(local_index, tmp_path):
+    manifest = build_bundle(tmp_path / "b", python="3.12", have={"zoofix-heavy": "1.0"}, weights=False,
+                            requirements=["zoofix-root"], find_links=[str(local_index)], no_index=True,
+                            sdist_only={"zoofix-src": "1.0"})
+    assert any("zoofix_heavy-2.0" in w["file"] for w in manifest.wheels)
+    assert manifest.left_out == {}
+
+
+def test_missing_package_is_a_clear_error(local_index, tmp_path):
+    with pytest.raises(BundleError, match="resolving dependencies"):
+        build_bundle(tmp_path / "b", python="3.12", weights=False, requirements=["zoofix-absent"],
+                     find_links=[str(local_index)], no_index=True, sdist_only={})
+
+
+def test_leave_out_rule_on_a_hand_made_graph():
+    pkgs = [ResolvedPackage("a", "1", ["b", "t"]), ResolvedPackage("t", "2", ["n", "s"]),
+            ResolvedPackage("n", "1"), ResolvedPackage("s", "1"), ResolvedPackage("b", "1", ["s"])]
+    kept, left = leave_out(pkgs, ["a"], {"t": None})
+    assert [p.name for p in kept] == ["a", "b", "s"]
+    assert left == {"t": "the target has it", "n": "needed only by packages the target has"}
+
+
+def test_platform_tags_cover_older_glibc_and_legacy_aliases():
+    tags = platform_tags("manylinux_2_28_x86_64")
+    assert tags[0] == "manylinux_2_28_x86_64" and "manylinux_2_17_x86_64" in tags and "manylinux2014_x86_64" in tags
+    assert "manylinux_2_29_x86_64" not in tags
+    arm = platform_tags("manylinux_2_28_aarch64")
+    assert "manylinux2014_aarch64" in arm and "manylinux1_aarch64" not in arm
+    with pytest.raises(BundleError):
+        platform_tags("win_amd64")
