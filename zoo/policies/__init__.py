@@ -1,7 +1,9 @@
 """Policy families, one module each. A family module provides:
 
     build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit
-    fabricate_checkpoint(out_dir: Path, recipe: Recipe) -> None   # seeded random weights, real file layout
+    fabricate_checkpoint(recipe: Recipe, work_dir: Path) -> Dict[str, Path]
+        seeded random weights in the checkpoint's real file layout; {repo_id: folder} for the recipe's repo
+        and every auxiliary repo the policy loads by Hub id (VAE, text encoder, tokenizer)
 
 Modules are imported only when a unit is built, so lerobot (which they import) stays out of the core.
 """
