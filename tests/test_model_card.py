@@ -1,0 +1,183 @@
+"""The model card's pieces: license and base model, the audit table, the runner's ExecuTorch ref, and the
+rendering of hand-worked manifests (every expected string below is written out by hand)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from zoo.model_card import audit_rows, card_metadata, render_card, resolve_license, runtime_ref
+
+
+def checkpoint(tmp_path, header: str):
+    (tmp_path / "README.md").write_text(header + "# a checkpoint\n")
+    return str(tmp_path)
+
+
+# --- license --------------------------------------------------------------------------------------------
+
+
+def test_license_prefers_source_json_then_local_card_then_recipe(tmp_path):
+    local = checkpoint(tmp_path, "---\nlicense: other\nlicense_name: lingbot-license\nlicense_link: LICENSE\n---\n")
+    recipe = {"publish": {"license": "mit"}}
+    assert resolve_license({"license": "apache-2.0", "local_dir": local}, recipe) == \
+        {"license": "apache-2.0", "from": "source.json"}
+    assert resolve_license({"local_dir": local}, recipe) == \
+        {"license": "other", "license_name": "lingbot-license", "license_link": "LICENSE",
+         "from": "the source checkpoint's model card"}
+    assert resolve_license({"local_dir": str(tmp_path / "missing")}, recipe) == \
+        {"license": "mit", "from": "recipe publish.license"}
+    assert resolve_license({}, {"publish": {"license": None}}) is None
+
+
+def test_a_card_without_a_header_or_license_falls_through(tmp_path):
+    local = checkpoint(tmp_path, "")
+    assert resolve_license({"local_dir": local}, {}) is None
+    local2 = checkpoint(tmp_path, "---\n- just a list\n---\n")
+    assert resolve_license({"local_dir": local2}, {"publish": {"license": "mit"}})["license"] == "mit"
+
+
+# --- Hub metadata ---------------------------------------------------------------------------------------
+
+
+def manifest(**changes):
+    base = {
+        "recipe": {"name": "lingbot-va", "family": "lingbot_va", "description": "",
+                   "source": {"repo_id": "robbyant/lingbot-va", "fabricate": False}, "unit": {"dtype": "bfloat16"},
+                   "dynamic": {}},
+        "overrides": [],
+        "source": {"repo_id": "robbyant/lingbot-va", "revision": "main", "commit": "c" * 40},
+        "license": {"license": "apache-2.0", "from": "source.json"},
+        "versions": {"zoo": "0.1.0", "torch": "2.11.0+cu130", "executorch": "1.2.0", "lerobot": None},
+        "gpu": {"built_for": {"name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0"},
+                "verified_on": {"name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0"}},
+        "rewrites": {},
+        "audit": {"1.2": {"loadable": True, "missing_symbols": []}},
+        "verification": {"passed": True, "rows": [
+            {"method": "video_step", "seed": 3, "sizes": {}, "output": "noise_pred", "max_abs": 0.0123456,
+             "rel_l2": 0.00871, "cosine": 0.999961234, "ok": True, "why": ""}]},
+        "files": {"model.pte": {"sha256": "a" * 64, "size": 2_500_000},
+                  "processors/stats.safetensors": {"sha256": "b" * 64, "size": 999}},
+    }
+    base.update(changes)
+    return base
+
+
+def test_metadata_names_license_base_model_and_tags():
+    meta = card_metadata(manifest())
+    assert meta == {"license": "apache-2.0", "base_model": "robbyant/lingbot-va", "library_name": "executorch",
+                    "pipeline_tag": "robotics",
+                    "tags": ["robotics", "lerobot", "executorch", "cuda", "aoti", "zoo", "lingbot-va"]}
+
+
+def test_a_local_checkpoint_folder_gets_no_base_model():
+    m = manifest(source={"repo_id": "robbyant/lingbot-va", "revision": "main", "commit": None})
+    assert "base_model" not in card_metadata(m)
+
+
+def test_fabricated_checkpoints_get_no_base_model_and_a_warning():
+    m = manifest(license=None)
+    m["recipe"]["source"]["fabricate"] = True
+    meta = card_metadata(m)
+    assert "base_model" not in meta and "license" not in meta
+    card = render_card(m, {}, {}, "org/tiny")
+    assert "**Test artifact.**" in card
+    assert "License: none stated by the source checkpoint or the recipe" in card
+    assert "license:" not in card.split("---\n")[1]
+
+
+# --- audit and runtime ------------------------------------------------------------------------------------
+
+
+def test_audit_rows_read_both_forms_of_the_audit_record():
+    # AuditResult.as_dict(): per release its version, loadability and each method's missing symbols
+    as_dict = {"path": "/x", "releases": {
+        "1.10": {"version": "1.10.0", "loadable": True, "missing": {}},
+        "1.2": {"version": "1.2.0", "loadable": False,
+                "missing": {"video_step": ["aoti_torch_dtype_float64"],
+                            "action_step": ["aoti_torch_dtype_float64", "aoti_torch_cuda_mm_out"]}},
+        "1.9": {"version": "1.9.2", "loadable": True, "missing": {}},
+    }, "notes": []}
+    # the dataclass fields of AuditResult: releases map to versions, the missing lists sit in each method
+    fields = {"path": "/x", "releases": {"1.2": "1.2.0", "1.9": "1.9.2", "1.10": "1.10.0"}, "methods": [
+        {"method": "video_step", "missing": {"1.2": ["aoti_torch_dtype_float64"], "1.9": [], "1.10": []}},
+        {"method": "action_step", "missing": {"1.2": ["aoti_torch_dtype_float64", "aoti_torch_cuda_mm_out"],
+                                              "1.9": [], "1.10": []}}]}
+    expected = [
+        {"release": "1.2", "version": "1.2.0", "loadable": False,
+         "missing": ["aoti_torch_cuda_mm_out", "aoti_torch_dtype_float64"]},
+        {"release": "1.9", "version": "1.9.2", "loadable": True, "missing": []},
+        {"release": "1.10", "version": "1.10.0", "loadable": True, "missing": []},
+    ]
+    assert audit_rows(as_dict) == expected
+    assert audit_rows(fields) == expected
+    assert audit_rows(None) == []
+
+
+@pytest.mark.parametrize("audit, expected", [
+    ({"1.2": {"version": "1.2.0", "loadable": True, "missing": {}},
+      "1.4": {"version": "1.4.1", "loadable": True, "missing": {}}},
+     {"ref": "v1.2.0", "release": "1.2.0", "loadable": True}),
+    ({"1.2": {"version": "1.2.0", "loadable": False, "missing": {"m": ["x"]}},
+      "1.4": {"version": "1.4.1", "loadable": True, "missing": {}}},
+     {"ref": "v1.4.1", "release": "1.4.1", "loadable": True}),
+    ({"1.2": {"loadable": False, "missing": ["x"]}, "1.3": {"loadable": True, "missing": []}},
+     {"ref": "release/1.3", "release": "1.3", "loadable": True}),
+    ({"1.2": {"version": "1.2.0", "loadable": False, "missing": {"m": ["x"]}}},
+     {"ref": "v1.2.0", "release": "1.2.0", "loadable": False}),
+    ({}, {"ref": "v1.2.0", "release": "1.2.0", "loadable": None}),
+])
+def test_runner_is_built_from_a_release_the_audit_says_loads_it(audit, expected):
+    assert runtime_ref(manifest(audit=audit)) == expected
+
+
+def test_card_says_when_no_runtime_loads_the_artifact():
+    m = manifest(audit={"1.2": {"loadable": False, "missing_symbols": ["aoti_torch_dtype_float64"]}})
+    card = render_card(m, {}, {}, "org/x")
+    assert "No audited ExecuTorch release can load this artifact" in card
+    assert "| 1.2 | no | `aoti_torch_dtype_float64` |" in card
+    assert "the runner below fails to load it" in card
+
+
+# --- rendering ------------------------------------------------------------------------------------------
+
+
+IO_SPEC = {"dtype": "bfloat16", "dynamic": {}, "example_sizes": {}, "methods": {
+    "video_step": {"inputs": [{"name": "latent", "dtype": "bfloat16", "shape": [2, 48, 4, 8, 8], "sampler": "normal"},
+                              {"name": "slots", "dtype": "int64", "shape": [32], "sampler": "randperm:64"}],
+                   "outputs": ["noise_pred"]},
+    "action_step": {"inputs": [{"name": "actions", "dtype": "bfloat16", "shape": [2, 16, 30], "sampler": "normal"}],
+                    "outputs": ["action_pred"]},
+}}
+
+
+def test_card_renders_hand_worked_manifest():
+    m = manifest(overrides=["unit.dtype=bfloat16"],
+                 rewrites={"video_step": [{"rewrite": "replace_complex_with_real", "changed": True, "declined": None,
+                                           "counts": {"aten.view_as_complex.default": 60}, "notes": []},
+                                          {"rewrite": "replace_detach_with_alias", "changed": False,
+                                           "declined": "aten.foo at model.py:3", "counts": {}, "notes": []}]})
+    card = render_card(m, IO_SPEC, {"video_steps": 20, "action_steps": 50, "slots": [0, 1]}, "my-lab/lingbot-va-cuda")
+    meta = yaml.safe_load(card.split("---\n")[1])
+    assert meta["base_model"] == "robbyant/lingbot-va" and meta["license"] == "apache-2.0"
+    assert card.splitlines()[card.splitlines().index("---", 1) + 2] == "# my-lab/lingbot-va-cuda"
+    # verification numbers, formatted by hand: 0.0123456 -> 1.235e-02, 0.00871 -> 8.710e-03
+    assert "| video_step | 3 | static | noise_pred | 1.235e-02 | 8.710e-03 | 0.99996123 | yes |" in card
+    assert "NVIDIA A100-SXM4-80GB (compute capability 8.0, sm_80)" in card
+    # inputs, outputs and what stays on the host
+    assert "| `video_step` | `latent`: bfloat16 [2, 48, 4, 8, 8]<br>`slots`: int64 [32] | `noise_pred` |" in card
+    assert "| `action_step` | `actions`: bfloat16 [2, 16, 30] | `action_pred` |" in card
+    assert "Compute dtype: `bfloat16`" in card
+    assert "classifier-free guidance" in card and "the UMT5 text encoder" in card
+    assert "| `slots` | `[0, 1]` |" in card and "| `video_steps` | `20` |" in card
+    # two methods: the runner note names them
+    assert "This program has 2 methods (`video_step`, `action_step`)" in card
+    assert "executor_runner --model_path model.pte --data_path aoti_cuda_blob.ptd" in card
+    # provenance
+    assert "with overrides `unit.dtype=bfloat16`" in card
+    assert "| `video_step` | replace_complex_with_real | yes | aten.view_as_complex.default x60 |" in card
+    assert "| `video_step` | replace_detach_with_alias | declined: aten.foo at model.py:3 | none |" in card
+    assert "lerobot not installed" in card
+    assert f"| `model.pte` | 2.5 MB | `{'a' * 64}` |" in card
+    assert f"| `processors/stats.safetensors` | 999 B | `{'b' * 64}` |" in card
+    assert "`processors/stats.safetensors`." in card  # listed among the host's processors
