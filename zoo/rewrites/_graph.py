@@ -1,0 +1,355 @@
+"""Generic ExportedProgram surgery shared by zoo's rewrites.
+
+A rewrite that changes dtypes or shapes cannot edit a program in place without risking the caller's copy,
+so the helpers here support one pattern: build a *new* ``torch.fx.Graph`` beside the old one, compute each
+new node's ``meta["val"]`` by running the op on fake tensors (the program's own ``FakeTensorMode`` and
+``ShapeEnv``, so symbolic dims stay the same symbols), then wrap the new graph, a new state_dict and a new
+constants table into a new ``ExportedProgram`` whose signature names follow the new nodes. Weights that are
+not replaced are shared, not copied: a 5 B-parameter program must not be duplicated in memory.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import (
+    ConstantArgument,
+    CustomObjArgument,
+    ExportGraphSignature,
+    InputKind,
+    InputSpec,
+    OutputSpec,
+)
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.node import map_arg
+
+# Metadata that describes a value and must be recomputed, never inherited by a replacement node.
+VALUE_META_KEYS = ("val", "tensor_meta", "example_value", "unbacked_bindings")
+
+
+# --------------------------------------------------------------------------------------------- values
+
+
+def tensors_in(val: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside a node value (a tensor, or a list/tuple of them as ``split`` returns)."""
+    if isinstance(val, torch.Tensor):
+        yield val
+    elif isinstance(val, (list, tuple)):
+        for v in val:
+            yield from tensors_in(v)
+
+
+def input_nodes(node: Node) -> List[Node]:
+    """The nodes a node reads, in argument order (lists flattened, duplicates kept once)."""
+    seen: Dict[Node, None] = {}
+    map_arg((node.args, node.kwargs), lambda n: seen.setdefault(n, None))
+    return list(seen)
+
+
+def node_value(node: Node, root: Optional[torch.nn.Module] = None) -> Any:
+    """``meta["val"]``, or for a ``get_attr`` node the attribute itself (HOP bodies carry no val)."""
+    if node.op == "get_attr" and root is not None:
+        return _getattr_path(root, node.target)
+    return node.meta.get("val")
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """Whether two sizes (ints or SymInts) are provably equal, without adding guards."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return bool(statically_known_true(a == b))
+
+
+def same_tensor_meta(a: torch.Tensor, b: torch.Tensor, strides: bool = True) -> bool:
+    """Same dtype, shape and (optionally) strides and storage offset: downstream fake values would not change."""
+    if a.dtype != b.dtype or a.dim() != b.dim() or a.device != b.device:
+        return False
+    if not all(same_size(x, y) for x, y in zip(a.shape, b.shape)):
+        return False
+    if not strides:
+        return True
+    return all(same_size(x, y) for x, y in zip(a.stride(), b.stride())) and same_size(
+        a.storage_offset(), b.storage_offset()
+    )
+
+
+def same_value_meta(a: Any, b: Any, strides: bool = True) -> bool:
+    """``same_tensor_meta`` lifted to node values: tensors, lists of tensors, SymInts, None."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return same_tensor_meta(a, b, strides)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_value_meta(x, y, strides) for x, y in zip(a, b))
+    if isinstance(a, (int, torch.SymInt)) and isinstance(b, (int, torch.SymInt)):
+        return same_size(a, b)
+    return type(a) is type(b) and not isinstance(a, torch.Tensor)
+
+
+def fake_mode_of(ep: ExportedProgram):
+    """The FakeTensorMode the program was traced under (its ShapeEnv holds the dynamic dims' symbols)."""
+    vals = [n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"]
+    mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    if mode is None:
+        # A program with no tensor inputs at all: any fresh mode computes its (static) values.
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode
+
+
+def _getattr_path(root: torch.nn.Module, target: str) -> Any:
+    obj: Any = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# --------------------------------------------------------------------------------------------- schema
+
+
+def schema_get(target: Any, args: tuple, kwargs: dict, name: str, default: bool = True) -> Any:
+    """The value of argument ``name`` of an ATen op call; when the call leaves it out, the schema default
+    (``default=True``) or None."""
+    for i, a in enumerate(target._schema.arguments):
+        if a.name != name:
+            continue
+        if name in kwargs:
+            return kwargs[name]
+        if not a.kwarg_only and i < len(args):
+            return args[i]
+        return a.default_value if default and a.has_default_value() else None
+    raise KeyError(f"{target} has no argument {name!r}")
+
+
+def schema_set(target: Any, args: tuple, kwargs: dict, name: str, value: Any) -> Tuple[tuple, dict]:
+    """``(args, kwargs)`` with argument ``name`` set to ``value``: positionally where the call passed it so,
+    else as a keyword (every ATen argument can be passed by name)."""
+    args, kwargs = list(args), dict(kwargs)
+    for i, a in enumerate(target._schema.arguments):
+        if a.name != name:
+            continue
+        if not a.kwarg_only and i < len(args) and name not in kwargs:
+            args[i] = value
+        else:
+            kwargs[name] = value
+        return tuple(args), kwargs
+    raise KeyError(f"{target} has no argument {name!r}")
+
+
+def op_name(target: Any) -> str:
+    """'aten.mul.Tensor' for ATen overloads, 'torch.ops.higher_order.cond' for HOPs, else the callable's name."""
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"torch.ops.higher_order.{target.name()}"
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def is_hop(node: Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator)
+
+
+def hop_bodies(node: Node, root: torch.nn.Module) -> List[GraphModule]:
+    """The sub-graphs a higher-order op runs (its ``get_attr`` operands that are GraphModules)."""
+    found: List[GraphModule] = []
+    for n in input_nodes(node):
+        if n.op == "get_attr":
+            attr = _getattr_path(root, n.target)
+            if isinstance(attr, GraphModule):
+                found.append(attr)
+    return found
+
+
+def graph_modules_under(gm: GraphModule) -> Iterator[GraphModule]:
+    """``gm`` and every GraphModule nested in it (HOP bodies inside HOP bodies)."""
+    for m in gm.modules():
+        if isinstance(m, GraphModule):
+            yield m
+
+
+# --------------------------------------------------------------------------------------------- building
+
+
+class GraphBuilder:
+    """Builds a new graph from an old one node by node, computing each new node's value on fake tensors.
+
+    ``env`` maps old nodes to the new nodes (or values) that stand for them. While a rewrite emits the
+    replacement for one old node it sets ``origin``; every node created then inherits that node's
+    provenance metadata (stack trace, module stack), so decline messages and later passes can still
+    point at user code.
+    """
+
+    def __init__(self, old_root: GraphModule, fake_mode):
+        self.old_root = old_root
+        self.graph = Graph()
+        self.fake_mode = fake_mode
+        self.env: Dict[Node, Any] = {}
+        self.origin: Optional[Node] = None
+        self.created: List[Node] = []  # nodes created for the current origin
+
+    # values
+    def value(self, arg: Any) -> Any:
+        """The fake value(s) behind new-graph arguments (nodes replaced by their ``meta['val']``)."""
+        return map_arg(arg, lambda n: node_value(n, self.old_root))
+
+    def fake_run(self, target: Callable, args: tuple, kwargs: dict) -> Any:
+        with self.fake_mode:
+            return target(*self.value(args), **self.value(kwargs))
+
+    # nodes
+    def start(self, origin: Node) -> None:
+        self.origin, self.created = origin, []
+
+    def call(self, target: Callable, args: tuple, kwargs: Optional[dict] = None, tag: str = "") -> Node:
+        """A new call_function node whose value is computed first (a failing op creates no node)."""
+        kwargs = dict(kwargs or {})
+        val = self.fake_run(target, args, kwargs)
+        base = self.origin.name if self.origin is not None else "node"
+        node = self.graph.create_node("call_function", target, args, kwargs, name=f"{base}_{tag or 'pair'}")
+        self._inherit(node)
+        set_value(node, val)
+        self.created.append(node)
+        return node
+
+    def copy(self, old: Node, recompute: bool) -> Node:
+        """Copy an old node unchanged; with ``recompute`` its value comes from the new inputs' values."""
+        new = self.graph.node_copy(old, lambda n: self.env[n])
+        if recompute and old.op == "call_function":
+            for key in VALUE_META_KEYS:
+                new.meta.pop(key, None)
+            set_value(new, self.fake_run(old.target, new.args, new.kwargs))
+        return new
+
+    def finish(self, final: Node) -> None:
+        """Give the node that now stands for the origin the origin's name, when it was made for it."""
+        if final in self.created and self.origin is not None and final.name != self.origin.name:
+            final._rename(self.origin.name)
+
+    def _inherit(self, node: Node) -> None:
+        if self.origin is None:
+            return
+        for key, value in self.origin.meta.items():
+            if key not in VALUE_META_KEYS:
+                node.meta[key] = value
+
+
+def set_value(node: Node, val: Any) -> None:
+    """Set ``meta['val']`` and, for tensors, the ``tensor_meta`` summary export keeps beside it."""
+    node.meta["val"] = val
+    node.meta.pop("tensor_meta", None)
+    if isinstance(val, torch.Tensor):
+        from torch.fx.passes.shape_prop import _extract_tensor_metadata
+
+        node.meta["tensor_meta"] = _extract_tensor_metadata(val)
+
+
+# --------------------------------------------------------------------------------------------- state
+
+
+def state_location(spec: InputSpec) -> Optional[str]:
+    """Where a lifted input's tensor lives: 'state_dict', 'constants', or None for user inputs/tokens."""
+    if spec.kind == InputKind.PARAMETER:
+        return "state_dict"
+    if spec.kind == InputKind.BUFFER:
+        return "state_dict" if spec.persistent else "constants"
+    if spec.kind == InputKind.CONSTANT_TENSOR:
+        return "constants"
+    return None
+
+
+def state_tensor(ep: ExportedProgram, spec: InputSpec) -> Optional[torch.Tensor]:
+    where = state_location(spec)
+    if where is None:
+        return None
+    table = ep.state_dict if where == "state_dict" else ep.constants
+    return table.get(spec.target)
+
+
+def rebuild_program(
+    ep: ExportedProgram,
+    graph: Graph,
+    *,
+    state_dict: Dict[str, Any],
+    constants: Dict[str, Any],
+    renamed: Dict[str, str],
+) -> ExportedProgram:
+    """A new ExportedProgram around ``graph``: signature and module call graph names follow the new nodes.
+
+    ``renamed`` maps old node names to the names of the new nodes that stand for them; placeholders keep
+    their names (the new graph creates them first, in the old order).
+    """
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    old_in = ep.graph_signature.input_specs
+    if len(placeholders) != len(old_in):
+        raise RuntimeError(f"rewrite changed the number of inputs ({len(old_in)} -> {len(placeholders)})")
+    input_specs = [
+        InputSpec(s.kind, _renamed_arg(s.arg, p.name), s.target, s.persistent)
+        for s, p in zip(old_in, placeholders)
+    ]
+    outputs = list(graph.output_node().args[0])
+    old_out = ep.graph_signature.output_specs
+    if len(outputs) != len(old_out):
+        raise RuntimeError(f"rewrite changed the number of outputs ({len(old_out)} -> {len(outputs)})")
+    output_specs = [
+        OutputSpec(s.kind, _renamed_arg(s.arg, o.name if isinstance(o, Node) else None), s.target)
+        for s, o in zip(old_out, outputs)
+    ]
+    module_call_graph = copy.deepcopy(ep.module_call_graph)
+    for entry in module_call_graph:
+        if entry.signature is None:
+            continue
+        for arg in [*entry.signature.inputs, *entry.signature.outputs]:
+            name = getattr(arg, "name", None)
+            if name in renamed:
+                arg.name = renamed[name]
+    new_ep = ExportedProgram(
+        root=_private_root(ep.graph_module, graph),
+        graph=graph,
+        graph_signature=ExportGraphSignature(input_specs=input_specs, output_specs=output_specs),
+        state_dict=state_dict,
+        range_constraints=copy.copy(ep.range_constraints),
+        module_call_graph=module_call_graph,
+        example_inputs=ep.example_inputs,
+        constants=constants,
+        verifiers=list(ep.verifiers),
+    )
+    new_ep.graph_module.meta.update(ep.graph_module.meta)
+    return new_ep
+
+
+def _private_root(old_root: GraphModule, graph: Graph) -> torch.nn.Module:
+    """The attributes ``graph`` reads, with HOP bodies copied: a later in-place pass on the new program
+    must never reach into the caller's program through a shared sub-graph."""
+    holder = torch.nn.Module()
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            attr = _getattr_path(old_root, node.target)
+            _setattr_path(holder, node.target, private_copy(attr) if isinstance(attr, GraphModule) else attr)
+    return holder
+
+
+def private_copy(gm: GraphModule) -> GraphModule:
+    """A GraphModule with its own graph and own copies of nested sub-graphs (tensors and meta values shared)."""
+    graph = copy.deepcopy(gm.graph)  # Graph.__deepcopy__ copies nodes, shallow-copying each node's meta
+    new = GraphModule(_private_root(gm, graph), graph, class_name=type(gm).__name__)
+    new.meta.update(gm.meta)
+    return new
+
+
+def _setattr_path(root: torch.nn.Module, target: str, value: Any) -> None:
+    *path, last = target.split(".")
+    obj = root
+    for part in path:
+        if not hasattr(obj, part):
+            setattr(obj, part, torch.nn.Module())
+        obj = getattr(obj, part)
+    setattr(obj, last, value)
+
+
+def _renamed_arg(arg: Any, name: Optional[str]) -> Any:
+    if isinstance(arg, (ConstantArgument, CustomObjArgument)) or name is None or not hasattr(arg, "name"):
+        return arg
+    return type(arg)(name=name)
