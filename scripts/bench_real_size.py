@@ -1,0 +1,487 @@
+#!/usr/bin/env python3
+"""Real-size benchmarks with seeded random weights, no network: export -> rewrite -> lower -> verify -> bench.
+
+    python scripts/bench_real_size.py --out OUT [--units llama:128,512,2048 lingbot_va fast_wam] [--runs N]
+
+Units (``NAME[:ARG]``):
+  llama[:SEQ,...]          SmolLM2-135M geometry (recipe llama-rope, bf16, dynamic seq 2..2048), benched at
+                           each SEQ (default 128,512,2048)
+  lingbot_va[:METHOD,...]  LingBot-VA at the recipe's default configuration (5.09 B parameters, bf16, KV pool
+                           as I/O): video_step and action_step (default both)
+  fast_wam[:METHOD,...]    Fast-WAM in its split layout (5 B video + 1 B action expert, bf16): the action unit
+                           action_step (default), or prefill,action_step
+
+Weights: llama's checkpoint is fabricated by its family (transformers' own save_pretrained, 135 M parameters,
+seconds). LingBot-VA and Fast-WAM are built by the family modules from the recipe's configuration exactly as
+for a pulled checkpoint, except that LeRobot's ``_load_as_safetensor`` keeps the seeded random initialisation
+instead of reading weights: writing and re-reading 10-12 GB of random bf16 would cost minutes of GPU-machine
+time and tens of GB of disk for nothing. ``--tiny`` uses the tiny recipes instead (a CPU check of this script).
+
+Each unit gets OUT/<unit>/ (model.pte, aoti_cuda_blob.ptd, so/, report.json, io_spec.json; for units under
+1 GiB of weights also the exported/rewritten programs, so zoo's verification and ``python -m zoo bench`` can
+run on it later). OUT/bench.json and OUT/bench.md (the docs/benchmarks.md layout: GPU, versions, command,
+tables) are rewritten after every unit, so a run cut short by a time limit keeps what it measured.
+Without CUDA the GPU stages are recorded as skipped and only eager is timed (``--device cpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import shlex
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from zoo import atomic, bench, exporting  # noqa: E402
+from zoo.errors import ZooError  # noqa: E402
+from zoo.policies.base import ExportUnit  # noqa: E402
+from zoo.recipes import load_recipe  # noqa: E402
+from zoo.report import RunReport  # noqa: E402
+
+SAVE_PROGRAMS_MAX_BYTES = 1 << 30  # above this, .pt2 copies of the weights cost more disk than they are worth
+
+
+@dataclass(frozen=True)
+class UnitKind:
+    recipe: str
+    tiny_recipe: str
+    arg: str  # what NAME:ARG lists: "sizes" (sequence lengths) or "methods"
+    default: Optional[List]  # default ARG values (None: every method of the recipe)
+
+
+UNITS: Dict[str, UnitKind] = {
+    "llama": UnitKind("llama-rope", "llama-rope-tiny", "sizes", [128, 512, 2048]),
+    "lingbot_va": UnitKind("lingbot-va", "lingbot-va-tiny", "methods", None),
+    "fast_wam": UnitKind("fast-wam", "fast-wam-tiny", "methods", ["action_step"]),
+}
+
+
+@dataclass
+class UnitSpec:
+    name: str
+    kind: UnitKind
+    sizes: List[int]
+    methods: Optional[List[str]]
+
+
+def parse_unit(text: str) -> UnitSpec:
+    name, _, arg = text.partition(":")
+    if name not in UNITS:
+        raise ZooError(f"unknown unit {name!r}", f"units: {', '.join(UNITS)} (e.g. llama:128,512 fast_wam)")
+    kind = UNITS[name]
+    values = [v.strip() for v in arg.split(",") if v.strip()]
+    if kind.arg == "sizes":
+        try:
+            sizes = [int(v) for v in values] or list(kind.default or [])
+        except ValueError:
+            raise ZooError(f"unit {text!r}: {name} takes sequence lengths", f"e.g. {name}:128,512,2048") from None
+        return UnitSpec(name, kind, sizes, None)
+    return UnitSpec(name, kind, [], values or (list(kind.default) if kind.default else None))
+
+
+# ------------------------------------------------------------------------------------------------------
+# Building units with random weights
+
+
+@contextlib.contextmanager
+def random_init_instead_of_weights(policy_cls) -> Iterator[None]:
+    """While active, LeRobot's ``from_pretrained`` builds the policy from its config (torch's seeded random
+    init) and moves and evals it as usual, but reads no weights."""
+    had = "_load_as_safetensor" in policy_cls.__dict__
+    original = policy_cls.__dict__.get("_load_as_safetensor")
+
+    def keep_initialisation(cls, model, model_file, map_location, strict):
+        return model
+
+    policy_cls._load_as_safetensor = classmethod(keep_initialisation)
+    try:
+        yield
+    finally:
+        if had:
+            policy_cls._load_as_safetensor = original
+        else:
+            del policy_cls._load_as_safetensor
+
+
+def placeholder_checkpoint(config, folder: Path) -> Path:
+    """config.json as LeRobot writes it, and an empty (valid) model.safetensors: the family checks the file is
+    there; ``random_init_instead_of_weights`` makes sure nothing reads it."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(folder)
+    save_file({}, str(folder / "model.safetensors"))
+    return folder
+
+
+def build_llama(recipe, work: Path) -> ExportUnit:
+    from zoo import hub, tiny_hub
+    from zoo.policies import load_family
+
+    with tiny_hub.fabricated_hub(recipe, cache_dir=work / "hub"):
+        checkpoint = hub.pull(recipe)
+        return load_family("llama").build_unit(checkpoint.path, recipe)
+
+
+def build_lingbot_va(recipe, work: Path) -> ExportUnit:
+    from lerobot.policies.lingbot_va import LingBotVAPolicy
+
+    from zoo.policies import lingbot_va
+
+    # The configuration a fabricated checkpoint of this recipe would carry (recipe policy_config, cameras).
+    config = lingbot_va._fabricated_config(recipe, lingbot_va._validate_recipe(recipe))
+    folder = placeholder_checkpoint(config, work / "checkpoint")
+    with torch.random.fork_rng(devices=[]), random_init_instead_of_weights(LingBotVAPolicy):
+        torch.manual_seed(recipe.source.seed)
+        return lingbot_va.build_unit(folder, recipe)
+
+
+def build_fast_wam(recipe, work: Path) -> ExportUnit:
+    from lerobot.policies.fastwam.configuration_fastwam import FastWAMConfig
+    from lerobot.policies.fastwam.modeling_fastwam import FastWAMPolicy
+    from lerobot.policies.fastwam.processor_fastwam import make_fastwam_pre_post_processors
+
+    from zoo.hub_cache import hub_environment, put_in_cache
+    from zoo.policies import fast_wam
+
+    fields = dict(recipe.unit.options.get("fabricate_config") or {})  # empty: FastWAMConfig's real defaults
+    for key in ("video_dit_config", "action_dit_config"):
+        if key in fields:
+            fields[key] = dict(fields[key])
+    # base_model_id=None: otherwise default-sized dims point pretrained_path at lerobot/fastwam_base (12 GB).
+    fields.update(base_model_id=None, torch_dtype=recipe.unit.dtype, device="cpu")
+    config = FastWAMConfig(**fields)
+    folder = placeholder_checkpoint(config, work / "checkpoint")
+    g = torch.Generator().manual_seed(recipe.source.seed)
+    stats = {"action": {"mean": 0.1 * torch.randn(config.action_dim, generator=g),
+                        "std": 0.5 + torch.rand(config.action_dim, generator=g)},
+             "observation.state": {"mean": 0.1 * torch.randn(config.proprio_dim, generator=g),
+                                   "std": 0.5 + torch.rand(config.proprio_dim, generator=g)}}
+    pre, post = make_fastwam_pre_post_processors(config, dataset_stats=stats)
+    pre.save_pretrained(folder)
+    post.save_pretrained(folder)
+    # The policy constructor loads the Wan2.2 VAE and the UMT5 tokenizer by Hub id (the unit uses neither):
+    # the family's tiny fabrication writes stand-ins under those ids, served here from a private cache.
+    tiny_recipe = load_recipe(UNITS["fast_wam"].tiny_recipe)
+    repos = fast_wam.fabricate_checkpoint(tiny_recipe, work / "standins")
+    cache = work / "hub"
+    for repo_id, repo_dir in repos.items():
+        if repo_id != tiny_recipe.source.repo_id:
+            put_in_cache(repo_id, repo_dir, cache)
+    with hub_environment(cache, offline=True), torch.random.fork_rng(devices=[]), \
+            random_init_instead_of_weights(FastWAMPolicy):
+        torch.manual_seed(recipe.source.seed)
+        return fast_wam.build_unit(folder, recipe)
+
+
+def unit_recipe(spec: UnitSpec, tiny: bool):
+    name = spec.kind.tiny_recipe if tiny else spec.kind.recipe
+    recipe = load_recipe(name)
+    if spec.name == "llama":
+        recipe.source.fabricate = True
+    if spec.name == "fast_wam":
+        # The split layout (the tiny recipe unrolls the whole chunk instead): action_step is the action unit.
+        recipe.unit.methods = ["prefill", "action_step"]
+    return recipe.validate()
+
+
+def build_unit(spec: UnitSpec, recipe, work: Path) -> ExportUnit:
+    if spec.name == "llama":
+        return build_llama(recipe, work)
+    if spec.name == "lingbot_va":
+        return build_lingbot_va(recipe, work)
+    return build_fast_wam(recipe, work)
+
+
+# ------------------------------------------------------------------------------------------------------
+# One unit, end to end
+
+
+def unit_candidates(unit: ExportUnit, method: str, unit_dir: Path, device: str, with_compile: bool,
+                    dynamic: Optional[bool]) -> List[bench.Candidate]:
+    module = unit.methods[method].module
+
+    def eager() -> bench.RunFn:
+        module.to(device)
+        return bench.module_runner(module)
+
+    def compiled() -> bench.RunFn:
+        module.to(device)
+        torch._dynamo.reset()
+        return bench.module_runner(torch.compile(module, dynamic=dynamic))
+
+    def back_to_cpu() -> None:
+        torch._dynamo.reset()  # compiled graphs hold the device weights until dynamo forgets them
+        module.to("cpu")
+
+    cands = [bench.Candidate("eager", eager, back_to_cpu, what=f"the unit's own modules ({unit.family}), eager"),
+             bench.artifact_candidate(unit_dir, method, device)]
+    if with_compile:
+        cands.append(bench.Candidate("compile", compiled, back_to_cpu,
+                                     what=f"torch.compile(unit module, mode=default, dynamic={dynamic})"))
+    else:
+        cands.append(bench.Candidate("compile", lambda: None, skipped="--no-compile"))
+    return cands
+
+
+class Stages:
+    """Times each stage into the unit's record and its run report; a failure ends the unit, not the run."""
+
+    def __init__(self, record: Dict[str, Any], report: RunReport):
+        self.record, self.report = record, report
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[Dict[str, Any]]:
+        say(f"{self.record['unit']}: {name} ...")
+        facts: Dict[str, Any] = {}
+        start = time.perf_counter()
+        try:
+            yield facts
+        except BaseException as exc:
+            seconds = round(time.perf_counter() - start, 3)
+            self.record["stages"][name] = {"status": "failed", "seconds": seconds, "detail": one_line(exc)}
+            self.report.stage(name, "failed", seconds, one_line(exc))
+            raise
+        seconds = round(time.perf_counter() - start, 3)
+        status = facts.get("status", "done")
+        self.record["stages"][name] = {"status": status, "seconds": seconds, "detail": facts.get("detail", "")}
+        self.report.stage(name, status, seconds, str(facts.get("detail", "")))
+        say(f"{self.record['unit']}: {name} {status} in {seconds:.1f} s")
+
+    def skip(self, name: str, why: str) -> None:
+        self.record["stages"][name] = {"status": "skipped", "seconds": None, "detail": why}
+        self.report.stage(name, "skipped", None, why)
+
+
+def run_unit(spec: UnitSpec, args, out_dir: Path, results: Dict[str, Any]) -> None:
+    from zoo import pipeline
+
+    recipe = unit_recipe(spec, args.tiny)
+    unit_name = spec.name if not args.tiny else f"{spec.name} (tiny)"
+    unit_dir = out_dir / spec.name
+    unit_dir.mkdir(parents=True, exist_ok=True)
+    record: Dict[str, Any] = {"unit": unit_name, "recipe": recipe.name, "dtype": recipe.unit.dtype, "stages": {}}
+    results["units"].append(record)
+    report = RunReport(unit_dir, recipe.to_dict())
+    stage = Stages(record, report)
+    atomic.write_text(unit_dir / "recipe.yaml", recipe.to_yaml())
+    try:
+        sizes = exporting.example_sizes(recipe)
+        # Sizes outside the recipe's dynamic range fail here, before minutes of building and lowering.
+        cases = bench.size_cases({"example_sizes": sizes, "dynamic": {d: {"min": r.min, "max": r.max}
+                                                                      for d, r in recipe.dynamic.items()}},
+                                 {"seq": spec.sizes} if spec.sizes else {})
+        with tempfile.TemporaryDirectory(prefix="zoo-bench-build-") as work:
+            with stage("build") as facts:
+                unit = build_unit(spec, recipe, Path(work))
+                params = sum(p.numel() * p.element_size() for p in torch.nn.ModuleList(
+                    [m.module for m in unit.methods.values()]).parameters())
+                facts["detail"] = f"{params / 2**30:.2f} GiB of seeded random weights"
+        methods = spec.methods or list(recipe.unit.methods)
+        unknown = [m for m in methods if m not in unit.methods]
+        if unknown:
+            raise ZooError(f"unit {spec.name}: no method(s) {unknown}", f"methods: {', '.join(unit.methods)}")
+        record["methods"] = methods
+        spec_json = pipeline.io_spec(unit, recipe)
+        spec_json["methods"] = {m: spec_json["methods"][m] for m in methods}
+        atomic.write_json(unit_dir / "io_spec.json", spec_json)
+        atomic.write_json(unit_dir / "host_settings.json", unit.host_settings)
+        save = params <= SAVE_PROGRAMS_MAX_BYTES
+        with stage("export") as facts:
+            programs = {m: exporting.export_method(unit.methods[m], recipe, sizes) for m in methods}
+            if save:
+                for m, ep in programs.items():
+                    pipeline.save_program(ep, unit_dir / pipeline.program_file("exported", m))
+                if recipe.unit.dtype == "bfloat16" and not args.no_verify and verify_module() is not None:
+                    # What verification judges a bf16 artifact against.
+                    reference = exporting.float32_copy(unit)
+                    for m in methods:
+                        pipeline.save_program(exporting.export_method(reference.methods[m], recipe, sizes),
+                                              unit_dir / pipeline.program_file("reference_fp32", m))
+                    del reference
+            facts["detail"] = f"{', '.join(methods)} at {sizes}"
+        with stage("rewrite") as facts:
+            rewritten = {m: pipeline.apply_rewrites(ep, recipe, m)[0] for m, ep in programs.items()}
+            if save:
+                for m, ep in rewritten.items():
+                    pipeline.save_program(ep, unit_dir / pipeline.program_file("rewritten", m))
+            facts["detail"] = ", ".join(recipe.rewrites)
+        del programs
+        gc.collect()
+        if torch.device(args.device).type == "cuda":
+            from zoo import lowering
+
+            with stage("lower") as facts:
+                lowered = lowering.lower_to_pte(rewritten, unit_dir, recipe)
+                report.record("lowering", lowered.as_dict())
+                facts["detail"] = (f"model.pte {lowered.pte_bytes / 2**20:.1f} MiB, "
+                                   f"ptd {lowered.ptd_bytes / 2**20:.1f} MiB")
+            del rewritten
+            gc.collect()
+            if args.no_verify:
+                stage.skip("verify", "--no-verify")
+            else:
+                verify_step(stage, report, unit_dir, recipe, methods, save)
+        else:
+            for name in ("lower", "verify"):
+                stage.skip(name, "needs a CUDA GPU")
+        record["artifact_sizes"] = bench.artifact_sizes(unit_dir)
+        dynamic = True if recipe.dynamic else None  # the artifact covers the range with one compile; so does this
+        with stage("bench") as facts:
+            for m in methods:
+                cands = unit_candidates(unit, m, unit_dir, args.device, not args.no_compile, dynamic)
+                for r in bench.bench_method(m, unit.methods[m].inputs, cases, cands, args.warmup, args.runs,
+                                            args.device, args.input_sets):
+                    r["unit"] = unit_name
+                    results["methods"].append(r)
+                    report.record("bench", [x for x in results["methods"] if x.get("unit") == unit_name])
+            facts["detail"] = f"{len(cases)} size(s) x {len(methods)} method(s)"
+        record["status"] = "done"
+        if params > SAVE_PROGRAMS_MAX_BYTES and not args.keep_artifacts:
+            drop_large_weights(unit_dir, record)
+    except Exception as exc:  # one unit failing (out of memory, a lowering refusal) must not lose the others
+        record["status"] = "failed"
+        record["error"] = one_line(exc)
+        record["traceback"] = traceback.format_exc(limit=8)
+        say(f"{unit_name} failed: {one_line(exc)}")
+    finally:
+        report.record("status", record.get("status", "failed"))
+        report.write()
+
+
+def verify_module():
+    """zoo's verification step, where this checkout has it (None otherwise)."""
+    import importlib
+
+    try:
+        return importlib.import_module("zoo.verify")
+    except ImportError:
+        return None
+
+
+def verify_step(stage: Stages, report: RunReport, unit_dir: Path, recipe, methods: List[str], saved: bool) -> None:
+    """zoo's own verification of the lowered methods, when the programs it compares with were saved. A
+    failure is recorded and the bench still runs: its table then shows how far the artifact is from eager."""
+    verify = verify_module()
+    if verify is None:
+        stage.skip("verify", "zoo.verify is not in this checkout; the bench table's artifact-vs-eager agreement "
+                             "on the timed inputs stands in")
+        return
+    if not saved:
+        stage.skip("verify", "programs not saved at this size; the bench table's artifact-vs-eager agreement "
+                             "on the timed inputs stands in")
+        return
+    lowered = dataclasses.replace(recipe, unit=dataclasses.replace(recipe.unit, methods=list(methods)))
+    try:
+        with stage("verify") as facts:
+            result = verify.verify_artifact(unit_dir, lowered)
+            record = result.summary() if hasattr(result, "summary") else (
+                dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result)
+            report.record("verification", record)
+            facts["detail"] = "passed"
+    except Exception:  # recorded by the stage; the timing is still worth having
+        pass
+
+
+def drop_large_weights(unit_dir: Path, record: Dict[str, Any]) -> None:
+    """Remove the weights files of a large unit once it is measured (their sizes stay in the record): two
+    real-size units' .ptd plus extracted blobs would not fit on a 64 GB disk together."""
+    for path in [unit_dir / "aoti_cuda_blob.ptd"] + sorted((unit_dir / "so").glob("*.weights.blob")):
+        if path.is_file():
+            path.unlink()
+            record.setdefault("removed_after_bench", []).append(str(path.relative_to(unit_dir)))
+
+
+# ------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def say(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def one_line(exc: BaseException) -> str:
+    text = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return f"{type(exc).__name__}: {line}"[:300]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scripts/bench_real_size.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:3]))
+    p.add_argument("--out", type=Path, required=True, help="output folder (one sub-folder per unit)")
+    p.add_argument("--units", nargs="+", default=["llama:128,512,2048", "lingbot_va", "fast_wam"],
+                   help="units to run, in order (default: llama:128,512,2048 lingbot_va fast_wam)")
+    p.add_argument("--runs", type=int, default=30, help="timed calls per candidate and size (default 30)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls first (default 5)")
+    p.add_argument("--input-sets", type=int, default=None, help="input sets to rotate through (default: auto)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile candidate (saves its compile)")
+    p.add_argument("--no-rotary", action="store_true", help="skip the rotary microbenchmark")
+    p.add_argument("--no-verify", action="store_true", help="skip zoo's verification (the bench still compares "
+                                                            "the artifact's outputs with eager's)")
+    p.add_argument("--keep-artifacts", action="store_true",
+                   help="keep the weights files of units over 1 GiB (default: removed once measured, sizes kept)")
+    p.add_argument("--tiny", action="store_true", help="the tiny recipes instead (checks this script on a CPU)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda (default where present) or cpu (no lowering; eager only)")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    bench.check_counts(args.runs, args.warmup, args.input_sets)
+    specs = [parse_unit(u) for u in args.units]
+    device = bench.resolve_device(args.device)
+    out_dir = args.out.expanduser().resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    command = "python scripts/bench_real_size.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    results: Dict[str, Any] = {
+        "format": bench.FORMAT, "name": "real size, seeded random weights" + (" (tiny recipes)" if args.tiny else ""),
+        "command": command, "environment": bench.environment(device),
+        "settings": {"runs": args.runs, "warmup": args.warmup, "input_sets": args.input_sets or "auto",
+                     "timer": bench.timer_for(device).name},
+        "targets": asdict(bench.TARGETS), "units": [], "methods": [],
+    }
+
+    def flush() -> None:
+        bench.write_results(results, out_dir / bench.BENCH_JSON, out_dir / bench.BENCH_MD)
+
+    if not args.no_rotary:
+        say("rotary microbenchmark ...")
+        from zoo.bench_rotary import run_rotary
+
+        try:
+            results.update(run_rotary(device, runs=args.runs, warmup=args.warmup, compile=not args.no_compile,
+                                      copy_bytes=(1 << 30) if device != "cpu" else (64 << 20)))
+        except Exception as exc:  # the rotary numbers are one section; the units still run
+            results["rotary_error"] = one_line(exc)
+            say(f"rotary failed: {one_line(exc)}")
+        flush()
+    for spec in specs:
+        run_unit(spec, argparse.Namespace(**{**vars(args), "device": device}), out_dir, results)
+        flush()
+    print(bench.render(results, markdown=False))
+    failed = [u["unit"] for u in results["units"] if u.get("status") != "done"]
+    if failed:
+        say(f"failed: {', '.join(failed)} (see bench.json: error and traceback per unit)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    from zoo.cli import guarded
+
+    sys.exit(guarded(main))
