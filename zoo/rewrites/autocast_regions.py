@@ -1,0 +1,276 @@
+"""Autocast and grad-mode regions -> their ops, inlined into the graph that calls them.
+
+    getitem(wrap_with_autocast(dev, dtype, enabled, cache, body, *xs), i)  ->  body(*xs)[i]
+    getitem(wrap_with_set_grad_enabled(mode, body, *xs), i)                ->  body(*xs)[i]
+
+with every cast autocast performs inside ``body`` written out as an explicit ``_to_copy``:
+
+    op(a, b, ...)   ->  op(_to_copy(a, dtype=D), _to_copy(b, dtype=D), ...)   where autocast casts a, b to D
+
+Why: ``torch.export`` records ``with torch.autocast(...)``, autocast-decorated functions (Fast-WAM's rope,
+``@torch.amp.autocast("cuda", enabled=False)``) and ``torch.no_grad()``/``enable_grad()`` blocks inside the
+traced code as higher-order ops over a sub-module. Their ops are invisible to a rewrite that scans the
+program's graph (the complex-to-real rewrite would miss the rope), so they are inlined first.
+
+How the body is mapped: the body's placeholders are bound to the call's operands by position; their names
+are the body's own (``arg2_1`` in the body may be ``p_linear_weight`` outside), so mapping by name fails.
+Nested regions are inlined before their parent, inside the parent's body: a nested call's ``get_attr``
+names a sub-module of the parent body and means nothing in the outer graph.
+
+Why it is exact. Grad mode changes whether autograd records ops, never the values they compute; a program
+with no loss or gradient outputs is an inference program (ExecuTorch's CUDA backend runs forward only), so
+its grad-mode regions are inlined. A joint forward-backward program keeps them, with a note.
+
+Autocast is different: ``torch.export`` (torch 2.11) records a body *before* autocast applies, so its ops
+are the ops as written (``linear`` on float32 inputs) while their recorded values carry autocast's dtypes
+(bfloat16). Inlined as it is, the body would compute in float32 (and trip its own
+``_assert_tensor_metadata`` checks). So each op of a body is run once on its recorded fake values under the
+region's autocast state (all enclosing regions, per device type), and the ``_to_copy`` casts autocast makes
+of its inputs are recorded; the casts the op makes without autocast (``to`` casts by itself) are not
+autocast's and are left out. Those casts are written into the graph before the op, which is exactly what
+autocast computes (it casts, then calls the op). After that the op, evaluated without autocast, must
+reproduce the dtypes export recorded, or the program is declined, naming the op; a body whose autocast is
+off must match as it stands. A body's own ops are handled before its nested regions are inlined into it,
+each nested region under its own state: an ``autocast(enabled=False)`` region inside a bfloat16 one keeps
+its float32 ops. A region whose device type is not that of its tensors (``autocast("cuda")`` in a program
+traced on CPU) casts nothing, which is also what the program computes when run as exported; a note says so,
+since eager autocast on the GPU would have cast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+from collections import Counter
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _fx
+from .result import RewriteResult, log, source_line
+
+NAME = "inline_autocast_regions"
+
+_AUTOCAST = torch.ops.higher_order.wrap_with_autocast
+_SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
+_REGIONS = (_AUTOCAST, _SET_GRAD)
+_CAST = _fx.aten._to_copy.default
+
+# Autocast state: device type -> (enabled, dtype), as set by the regions enclosing a body.
+_State = Dict[str, Tuple[bool, Optional[torch.dtype]]]
+
+
+def _parts(node: Node, state: _State) -> Tuple[Node, List, _State]:
+    """(get_attr of the body, operands, autocast state inside the body) of a region call."""
+    if node.kwargs:
+        raise _fx.Declined(node, f"unexpected keyword arguments {sorted(node.kwargs)}")
+    if node.target is _AUTOCAST:
+        device, dtype, enabled, _cache, body, *operands = node.args
+        inner = dict(state)
+        inner[device] = (bool(enabled), dtype)
+    else:
+        _mode, body, *operands = node.args
+        inner = state
+    if not (isinstance(body, Node) and body.op == "get_attr"):
+        raise _fx.Declined(node, "its body is not a sub-module of the calling graph")
+    return body, operands, inner
+
+
+def _has_regions(ep: ExportedProgram) -> bool:
+    return any(True for gm in _fx.all_graph_modules(ep.graph_module) for _ in _fx.calls(gm.graph, _REGIONS))
+
+
+def _computes_recorded(node: Node) -> bool:
+    """Does the op, evaluated without autocast on its inputs' recorded values, give the recorded dtypes?"""
+    try:
+        got = _fx.fake_eval(node.target, node.args, node.kwargs)
+    except Exception:  # e.g. linear(bfloat16, float32) without autocast: a mismatch, not a failure
+        return False
+    return _fx.same_dtypes(got, node.meta["val"])
+
+
+class _CastRecorder(TorchDispatchMode):
+    """Records the dtype casts (``_to_copy``) applied to the watched tensors while an op runs."""
+
+    def __init__(self, watched: Dict[int, Node]):
+        super().__init__()
+        self.watched = watched
+        self.casts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _CAST and args and id(args[0]) in self.watched and kwargs.get("dtype") is not None:
+            self.casts[(self.watched[id(args[0])], kwargs["dtype"])] += 1
+        return func(*args, **kwargs)
+
+
+def _casts_while_running(node: Node, state: _State) -> Counter:
+    """{(input node, dtype): n} cast while the op runs on fake values under ``state`` (empty state: no autocast)."""
+    vals = map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    watched = {id(a.meta["val"]): a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)}
+    fake_mode = torch._guards.detect_fake_mode([a.meta["val"] for a in watched.values()])
+    recorder = _CastRecorder(watched)
+    with contextlib.ExitStack() as stack:
+        if fake_mode is not None:
+            stack.enter_context(fake_mode)
+        stack.enter_context(_fx.no_autocast())
+        for device, (enabled, dtype) in state.items():
+            stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=False))
+        stack.enter_context(recorder)
+        node.target(*vals[0], **vals[1])
+    return recorder.casts
+
+
+def _autocast_casts(node: Node, state: _State) -> List[Tuple[Node, torch.dtype]]:
+    """The casts autocast adds to ``node``: those made under the region's state but not without autocast
+    (an op may cast its inputs itself, as ``to`` does)."""
+    try:
+        within = _casts_while_running(node, state)
+    except Exception as exc:
+        raise _fx.Declined(node, f"cannot be evaluated under its autocast state: {exc}") from exc
+    try:
+        without = _casts_while_running(node, {})
+    except Exception:  # mixed dtypes that only autocast makes valid: every cast is autocast's
+        without = Counter()
+    return list(dict.fromkeys((within - without).elements()))
+
+
+def _materialise_autocast(body: GraphModule, state: _State) -> int:
+    """Write out, as ``_to_copy`` nodes, every cast autocast performs on the ops of ``body`` under ``state``."""
+    enabled = any(on for on, _ in state.values())
+    casts = 0
+    for node in list(body.graph.nodes):
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if node.target._schema.is_mutable:  # autocast casts no in-place op
+            continue
+        if "val" not in node.meta:
+            raise _fx.Declined(node, "has no recorded value, so what autocast did to it cannot be checked")
+        for arg, dtype in (_autocast_casts(node, state) if enabled else []):
+            cast = _fx.insert_call(node.graph, node, _CAST, (arg,), {"dtype": dtype}, like=node)
+            node.replace_input_with(arg, cast)
+            casts += 1
+        if not _computes_recorded(node):
+            recorded = [str(v.dtype) for v in torch.utils._pytree.tree_leaves(node.meta["val"])
+                        if isinstance(v, torch.Tensor)]
+            why = "with autocast's casts written out" if enabled else "and no enclosing region enables autocast"
+            raise _fx.Declined(node, f"export recorded {recorded}, which the op does not compute {why}")
+    return casts
+
+
+def _fresh_attr(gm: GraphModule, hint: str) -> str:
+    base = hint.replace(".", "_")
+    for i in itertools.count():
+        name = base if i == 0 else f"{base}_{i}"
+        if not hasattr(gm, name):
+            return name
+    raise AssertionError("unreachable")
+
+
+def _inline(gm: GraphModule, node: Node, body_attr: Node, body: GraphModule, operands: List) -> None:
+    graph = gm.graph
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(operands):
+        raise _fx.Declined(node, f"its body takes {len(placeholders)} inputs but the call passes {len(operands)}")
+    env: Dict[Node, object] = dict(zip(placeholders, operands))  # by position: the names do not match
+    with graph.inserting_before(node):
+        for inner in body.graph.nodes:
+            if inner.op in ("placeholder", "output"):
+                continue
+            if inner.op == "get_attr":  # a region kept inside the body: move its sub-module along
+                name = _fresh_attr(gm, inner.target)
+                setattr(gm, name, _fx.fetch_attr(body, inner.target))
+                new = graph.get_attr(name)
+                new.meta = copy.copy(inner.meta)
+            else:
+                new = graph.node_copy(inner, lambda n: env[n])
+            env[inner] = new
+    results = map_arg(_fx.output_node(body.graph).args[0], lambda n: env[n])
+    if not isinstance(results, (tuple, list)):
+        raise _fx.Declined(node, "its body does not return a tuple of results")
+    for index, getitems in _fx.getitem_users(node).items():
+        value = results[index]
+        for getitem in getitems:
+            if getitem.users and not isinstance(value, Node):
+                raise _fx.Declined(node, f"its output {index} is the constant {value!r}, which is used")
+            if getitem.users:
+                getitem.replace_all_uses_with(value)
+            graph.erase_node(getitem)
+    graph.erase_node(node)
+    if not body_attr.users:
+        graph.erase_node(body_attr)
+
+
+def _where(node: Node, body: GraphModule) -> str:
+    """Source line of a region call; export gives the call none, so the first body op with one stands in."""
+    if node.meta.get("stack_trace"):
+        return source_line(node)
+    for inner in body.graph.nodes:
+        if inner.meta.get("stack_trace"):
+            return source_line(inner)
+    return source_line(node)
+
+
+def _region_note(node: Node, where: str) -> Optional[str]:
+    if node.target is not _AUTOCAST or not node.args[2]:
+        return None
+    device = node.args[0]
+    devices = {a.meta["val"].device.type for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)}
+    if devices and device not in devices:
+        return (f"autocast({device!r}, {node.args[1]}) at {where} holds only {sorted(devices)} tensors, "
+                f"so it casts nothing here; on {device} eager autocast would have cast")
+    return None
+
+
+def _flatten(gm: GraphModule, state: _State, inference: bool, counts: Counter, notes: List[str],
+             facts: List[str]) -> None:
+    """Inline every region of ``gm``; ``notes`` collects kept regions and risks, ``facts`` what was done."""
+    for node in list(_fx.calls(gm.graph, _REGIONS)):
+        body_attr, operands, inner = _parts(node, state)
+        body = _fx.fetch_attr(gm, body_attr.target)  # resolved in the module that owns this call
+        where = _where(node, body)
+        # The body's own ops first, under this region's state; then the nested regions, each under its own
+        # state, inlined into the body before the body is inlined here.
+        casts = _materialise_autocast(body, inner)
+        _flatten(body, inner, inference, counts, notes, facts)
+        if casts:
+            facts.append(f"{casts} autocast cast(s) written out as {_fx.op_name(_CAST)} in the region at {where}")
+        note = _region_note(node, where)
+        if note:
+            notes.append(note)
+        if node.target is _SET_GRAD and not inference:
+            notes.append(f"kept {_fx.op_name(node.target)} at {where}: the program has loss or "
+                         "gradient outputs, where grad mode matters")
+            continue
+        _inline(gm, node, body_attr, body, operands)
+        counts[_fx.op_name(node.target)] += 1
+
+
+def inline_autocast_regions(ep: ExportedProgram) -> RewriteResult:
+    _fx.require_program(ep, NAME)
+    if not _has_regions(ep):
+        return RewriteResult.unchanged(NAME, ep)
+    work = _fx.copy_program(ep)
+    counts: Counter = Counter()
+    notes: List[str] = []
+    facts: List[str] = []
+    try:
+        _flatten(work.graph_module, {}, _fx.is_inference_program(ep), counts, notes, facts)
+        program = _fx.finish(work) if counts else None
+    except _fx.Declined as declined:
+        return RewriteResult.decline(NAME, ep, str(declined))
+    for note in notes:
+        log.warning("%s: %s", NAME, note)
+    for fact in facts:
+        log.info("%s: %s", NAME, fact)
+    notes.extend(facts)
+    if program is None:  # only kept regions: the caller's program stays the result
+        result = RewriteResult.unchanged(NAME, ep)
+        result.notes.extend(notes)
+        return result
+    return RewriteResult.rewritten(NAME, program, counts, notes)

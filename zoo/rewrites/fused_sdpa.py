@@ -1,0 +1,165 @@
+"""Fused attention kernels -> ``scaled_dot_product_attention``, where that computes the same result.
+
+    getitem(_scaled_dot_product_flash_attention(q, k, v, p, causal, debug, scale=s), 0)
+    getitem(_scaled_dot_product_efficient_attention(q, k, v, bias, lse, p, causal, scale=s), 0)
+    getitem(_scaled_dot_product_cudnn_attention(q, k, v, bias, lse, p, causal, debug, scale=s), 0)
+    getitem(_scaled_dot_product_flash_attention_for_cpu(q, k, v, p, causal, attn_mask=bias, scale=s), 0)
+        ->  scaled_dot_product_attention(q, k, v, bias, p, causal, scale=s, enable_gqa=(heads(k) < heads(q)))
+
+    softmax(q k^T * s + bias) v, with k and v repeated per query-head group when they have fewer heads.
+
+Why: these ops name one CUDA kernel each, which AOTInductor can only call as an ATen fallback, and
+executorch 1.2.0's CUDA backend refuses every fallback but one. ``scaled_dot_product_attention`` is what the
+backend knows how to lower (to its Triton SDPA, or decomposed to math with ``triton_kernel_mode=OFF``). They
+appear when a program was decomposed for CUDA (``run_decompositions`` on a CUDA-traced program) or written
+against the kernels directly.
+
+A node is kept, as it is, and the reason logged at warning level and recorded in the result's notes, when
+the replacement would not compute the same thing:
+
+* an output other than the attention output is used (log-sum-exp, debug mask, dropout seed/offset,
+  sequence bookkeeping): ``scaled_dot_product_attention`` returns only the attention output;
+* the call is causal with a bias: ``scaled_dot_product_attention`` accepts a mask or ``is_causal``, not both;
+* the call is causal and ``L_q == L_kv`` is not statically known: these kernels align the causal mask to the
+  top left, while a lowered causal SDPA at decode shapes (``L_q < L_kv``) may align it to the bottom right.
+  With equal lengths the two alignments are the same mask.
+
+A node the rewrite cannot express at all (key heads that do not divide the query heads, key and value head
+counts that differ, a non-floating bias, a use of the whole result tuple) declines the program.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Dict, List, Optional, Tuple
+
+from torch.export import ExportedProgram
+from torch.fx import Node
+
+from . import _fx
+from .result import RewriteResult, log, source_line
+
+NAME = "replace_fused_sdpa_with_sdpa"
+
+aten = _fx.aten
+_FUSED = (
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+)
+_SDPA = aten.scaled_dot_product_attention.default
+
+
+def _bind(node: Node) -> Dict[str, Any]:
+    """Every schema argument of ``node`` by name, defaults filled in (export drops trailing defaults)."""
+    bound = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args) and not arg.kwarg_only:
+            bound[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            bound[arg.name] = node.kwargs[arg.name]
+        else:
+            bound[arg.name] = arg.default_value if arg.has_default_value() else None
+    return bound
+
+
+def _statically_equal(a, b) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    return statically_known_true(a == b)
+
+
+def _keep_reasons(node: Node, bound: Dict[str, Any]) -> List[str]:
+    reasons = []
+    returns = node.target._schema.returns
+    for index, getitems in sorted(_fx.getitem_users(node).items()):
+        readers = [u.name for g in getitems for u in g.users]
+        if index != 0 and readers:
+            reasons.append(f"its {returns[index].name} output is used (by {', '.join(readers)})")
+    bias = bound.get("attn_bias", bound.get("attn_mask"))
+    if bound["is_causal"] and bias is not None:
+        reasons.append("it is causal with a bias, which scaled_dot_product_attention cannot express")
+    if bound["is_causal"]:
+        lq, lkv = bound["query"].meta["val"].shape[-2], bound["key"].meta["val"].shape[-2]
+        if not _statically_equal(lq, lkv):
+            reasons.append(f"it is causal and L_q == L_kv is not statically known (L_q={lq}, L_kv={lkv}): "
+                           "the kernel masks from the top left, a lowered causal SDPA may not")
+    return reasons
+
+
+def _replacement(node: Node, bound: Dict[str, Any]) -> Tuple[tuple, Dict[str, Any]]:
+    """SDPA args and kwargs for ``node``; raises Declined where no SDPA call computes the same thing."""
+    q, k, v = (bound[n].meta["val"] for n in ("query", "key", "value"))
+    hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
+    if not _statically_equal(hk, hv):
+        raise _fx.Declined(node, f"key and value have different head counts ({hk}, {hv})")
+    gqa = not _statically_equal(hq, hk)
+    if gqa and not (isinstance(hq, int) and isinstance(hk, int) and hk > 0 and hq % hk == 0):
+        raise _fx.Declined(node, f"{hk} key heads do not divide {hq} query heads, which grouped-query "
+                                 "attention (enable_gqa) needs")
+    bias: Optional[Node] = bound.get("attn_bias", bound.get("attn_mask"))
+    if bias is not None and not bias.meta["val"].dtype.is_floating_point:
+        raise _fx.Declined(node, f"its bias is {bias.meta['val'].dtype}; the fused kernels add the bias, "
+                                 "while scaled_dot_product_attention reads a boolean mask as keep/drop")
+    args = (bound["query"], bound["key"], bound["value"], bias, bound["dropout_p"], bound["is_causal"])
+    kwargs: Dict[str, Any] = {}
+    if bound["scale"] is not None:
+        kwargs["scale"] = bound["scale"]
+    if gqa:
+        kwargs["enable_gqa"] = True
+    return args, kwargs
+
+
+def _match(ep: ExportedProgram):
+    """[(node, replacement or None, keep reasons)] for every fused-attention node, in every graph."""
+    plans = []
+    for gm in _fx.all_graph_modules(ep.graph_module):
+        for node in _fx.calls(gm.graph, _FUSED):
+            bound = _bind(node)
+            reasons = _keep_reasons(node, bound)
+            plans.append((node, None if reasons else _replacement(node, bound), reasons))
+    return plans
+
+
+def _rewrite(node: Node, args: tuple, kwargs: Dict[str, Any]) -> None:
+    graph = node.graph
+    getitems = _fx.getitem_users(node)
+    sdpa = _fx.insert_call(graph, node, _SDPA, args, kwargs, like=node)
+    for getitem in getitems.get(0, []):
+        getitem.replace_all_uses_with(sdpa)
+    for group in getitems.values():
+        for getitem in group:
+            graph.erase_node(getitem)  # the kept-node check made sure no other output has a reader
+    graph.erase_node(node)
+
+
+def replace_fused_sdpa_with_sdpa(ep: ExportedProgram) -> RewriteResult:
+    _fx.require_program(ep, NAME)
+    try:
+        plans = _match(ep)
+    except _fx.Declined as declined:
+        return RewriteResult.decline(NAME, ep, str(declined))
+    notes = []
+    for node, _, reasons in plans:
+        if reasons:
+            note = f"kept {_fx.op_name(node.target)} at {source_line(node)}: {'; '.join(reasons)}"
+            log.warning("%s: %s", NAME, note)
+            notes.append(note)
+    if not any(replacement for _, replacement, _ in plans):
+        result = RewriteResult.unchanged(NAME, ep)
+        result.notes.extend(notes)
+        return result
+    work = _fx.copy_program(ep)
+    counts: Counter = Counter()
+    try:
+        for node, replacement, _ in _match(work):
+            if replacement is not None:
+                counts[_fx.op_name(node.target)] += 1
+                _rewrite(node, *replacement)
+        program = _fx.finish(work)
+    except _fx.Declined as declined:
+        return RewriteResult.decline(NAME, ep, str(declined))
+    return RewriteResult.rewritten(NAME, program, counts, notes)

@@ -1,0 +1,144 @@
+"""Splitting views -> slices and selects, so that no ``split_copy`` reaches AOTInductor.
+
+    getitem(split(x, s, d), i)                ->  slice(x, d, i*s, (i+1)*s)
+    getitem(chunk(x, n, d), i)                ->  slice(x, d, i*s, (i+1)*s),   s = ceil(size(x, d) / n)
+    getitem(split_with_sizes(x, [s0..], d), i) ->  slice(x, d, s0+..+s(i-1), s0+..+si)
+    getitem(unbind(x, d), i)                  ->  select(x, d, i)
+    (and unsafe_split / unsafe_chunk / split_with_sizes' unsafe twin alike)
+
+Each getitem becomes a view of x with the same sizes, strides and storage offset as the piece it replaces
+(slice clamps an end past the size, as split's last piece does).
+
+Where the rewrite acts, and why here: zoo's rewrites run on the ATen program ``torch.export`` returns, and
+the view-copy ops appear only later, when ``to_edge`` functionalises views (CudaPartitioner keeps every op
+of the graph undecomposed). Measured on CPU with torch 2.11 / executorch 1.2.0, by capturing the edge
+program the CUDA backend's ``preprocess`` receives: ``chunk`` and ``split`` arrive as ``split_copy.Tensor``,
+``split_with_sizes`` as ``split_with_sizes_copy``, ``unbind`` as ``unbind_copy``, ``slice``/``select`` as
+``slice_copy``/``select_copy``. Of these, Inductor has neither a lowering nor a decomposition for
+``split_copy.Tensor`` (a fatal ATen fallback: "missing fallback kernels: aten::split_copy.Tensor", seen on an
+H200 after a 6-minute compile of the tiny LingBot-VA and Fast-WAM units); ``slice_copy``/``select_copy`` are
+turned back into views by the backend's own ``ReplaceViewCopyWithViewPass``; ``split_with_sizes_copy`` and
+``unbind_copy`` are decomposed by Inductor into one copy per piece.
+
+Rewriting the splitting family in the ATen program (rather than appending a pass to
+``CudaBackend.get_custom_passes``) keeps zoo independent of executorch's private pass list and of how a
+given torch version decomposes ``chunk``: every splitting op leaves the ATen program as slices and selects,
+the two view-copy ops every executorch release with the CUDA backend maps back to views. The members whose
+copies Inductor could decompose are rewritten too, so that they stay views instead of becoming copies.
+
+A piece whose bounds are not static integers (a split along a dynamic dimension, sizes given as symbols)
+cannot be written as a slice with integer bounds, and declines the program. The one exception is
+``split(x, s, d)`` with an integer ``s``, whose bounds ``i*s`` and ``(i+1)*s`` need no size at all.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Dict, List, Tuple
+
+from torch.export import ExportedProgram
+from torch.fx import Node
+
+from . import _fx
+from .result import RewriteResult
+
+NAME = "replace_view_copies"
+
+aten = _fx.aten
+_SPLIT_SIZE = {aten.split.Tensor, aten.unsafe_split.Tensor}
+_SPLIT_SIZES = {aten.split_with_sizes.default, aten.unsafe_split_with_sizes.default}
+_CHUNK = {aten.chunk.default, aten.unsafe_chunk.default}
+_UNBIND = {aten.unbind.int}
+_TARGETS = _SPLIT_SIZE | _SPLIT_SIZES | _CHUNK | _UNBIND
+
+
+def _arg(node: Node, index: int, name: str, default):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _bounds(node: Node) -> Tuple[int, List[Tuple[int, int]]]:
+    """(dim, [(start, end) per piece]) of a split/chunk node; raises Declined where a bound is not an int."""
+    x = node.args[0]
+    pieces = node.meta["val"]
+    dim = _arg(node, 2, "dim", 0)
+    if not isinstance(dim, int):
+        raise _fx.Declined(node, "its dimension is not an integer")
+    dim = dim % x.meta["val"].dim()
+    if node.target in _SPLIT_SIZE:
+        step = node.args[1]
+        if not isinstance(step, int):
+            raise _fx.Declined(node, "its split size is a symbol, so the slice bounds are not integers; "
+                                     "export with a static size along that dimension")
+        return dim, [(i * step, (i + 1) * step) for i in range(len(pieces))]
+    if node.target in _CHUNK:
+        size = x.meta["val"].shape[dim]
+        if not isinstance(size, int):
+            raise _fx.Declined(node, f"it chunks dimension {dim}, whose size is dynamic, so the piece bounds "
+                                     "are not integers; chunk a static dimension or split by a fixed size")
+        step = -(-size // node.args[1]) if size else 0
+        return dim, [(i * step, (i + 1) * step) for i in range(len(pieces))]
+    sizes = node.args[1]
+    if not all(isinstance(s, int) for s in sizes):
+        raise _fx.Declined(node, "its split sizes are symbols, so the slice bounds are not integers; "
+                                 "export with static sizes along that dimension")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return dim, [(s, s + n) for s, n in zip(starts, sizes)]
+
+
+def _match(ep: ExportedProgram) -> List[Node]:
+    found = []
+    for gm in _fx.all_graph_modules(ep.graph_module):
+        found.extend(_fx.calls(gm.graph, _TARGETS))
+    return found
+
+
+def _plan(node: Node) -> Dict[int, tuple]:
+    """{piece index: (target, args)} for every piece the program uses; raises Declined if it cannot."""
+    users = _fx.getitem_users(node)
+    x = node.args[0]
+    if node.target in _UNBIND:
+        dim = _arg(node, 1, "dim", 0)
+        if not isinstance(dim, int):
+            raise _fx.Declined(node, "its dimension is not an integer")
+        return {i: (aten.select.int, (x, dim, i)) for i in users}
+    dim, bounds = _bounds(node)
+    return {i: (aten.slice.Tensor, (x, dim, bounds[i][0], bounds[i][1])) for i in users}
+
+
+def _rewrite(node: Node, plan: Dict[int, tuple]) -> None:
+    graph = node.graph
+    for index, getitems in _fx.getitem_users(node).items():
+        target, args = plan[index]
+        for getitem in getitems:
+            if not getitem.users:  # a piece nobody reads needs no view
+                graph.erase_node(getitem)
+                continue
+            view = _fx.insert_call(graph, getitem, target, args, like=getitem)
+            old, new = getitem.meta["val"], view.meta["val"]
+            if not _fx.same_layout(old, new):
+                raise _fx.Declined(node, f"piece {index} as {_fx.op_name(target)} would have shape "
+                                         f"{tuple(new.shape)} and strides {new.stride()}, not "
+                                         f"{tuple(old.shape)} and {old.stride()}")
+            getitem.replace_all_uses_with(view)
+            graph.erase_node(getitem)
+    graph.erase_node(node)
+
+
+def replace_view_copies(ep: ExportedProgram) -> RewriteResult:
+    _fx.require_program(ep, NAME)
+    if not _match(ep):
+        return RewriteResult.unchanged(NAME, ep)
+    work = _fx.copy_program(ep)
+    counts: Counter = Counter()
+    try:
+        nodes = _match(work)
+        plans = [_plan(node) for node in nodes]  # every node is matched before any is rewritten
+        for node, plan in zip(nodes, plans):
+            counts[_fx.op_name(node.target)] += 1
+            _rewrite(node, plan)
+        program = _fx.finish(work)
+    except _fx.Declined as declined:
+        return RewriteResult.decline(NAME, ep, str(declined))
+    return RewriteResult.rewritten(NAME, program, counts)
