@@ -28,10 +28,18 @@ def atomic_path(target: PathLike) -> Iterator[Path]:
         yield tmp_path
         with open(tmp_path, "rb") as fh:
             os.fsync(fh.fileno())
+        # mkstemp makes the file 0600; give it the mode any other new file would get (0666 minus umask).
+        os.chmod(tmp_path, 0o666 & ~_umask())
         os.replace(tmp_path, target)
     finally:
         if tmp_path.exists():
             tmp_path.unlink()
+
+
+def _umask() -> int:
+    mask = os.umask(0)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return mask
 
 
 def write_bytes(target: PathLike, data: bytes) -> Path:

@@ -3,17 +3,24 @@
 The schema is a tree of dataclasses. omegaconf's structured mode rejects keys the schema does not have and
 values of the wrong type; ``Recipe.validate`` then checks what types cannot (allowed words, ranges).
 Overrides use omegaconf dotted keys: ``unit.dtype=bfloat16 verify.seeds=[0,1,2]``.
+
+A recipe's name is its file name without ``.yaml``. Names follow timm's ``arch.tag`` style: ``llama-rope``,
+``lingbot-va.libero-long`` (a variant of lingbot-va pinned to another Hub id), ``llama-rope-tiny``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import fnmatch
+import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from .errors import RecipeError
 
@@ -23,12 +30,16 @@ DTYPES = ("float32", "bfloat16", "float64")
 PAIR_DTYPES = ("float32", "float64")
 FAMILIES = ("llama", "lingbot_va", "fast_wam")
 
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
 
 @dataclass
 class Source:
     repo_id: str = MISSING  # Hugging Face Hub id, e.g. "lerobot/lingbot_va_libero_long"
     revision: str = "main"  # branch, tag or commit; pin a commit for reproducible artifacts
     local_dir: Optional[str] = None  # a local checkpoint folder used instead of the Hub
+    # Files to download (fnmatch patterns, huggingface_hub's allow_patterns); empty: the whole repo.
+    allow_patterns: List[str] = field(default_factory=list)
     # Tiny recipes: zoo fabricates seeded random weights in the checkpoint's real file layout into the
     # local Hub cache, then pulls them through the same code path as a real checkpoint.
     fabricate: bool = False
@@ -85,12 +96,13 @@ class Publish:
 
 @dataclass
 class Recipe:
-    name: str = MISSING
+    name: str = MISSING  # defaults to the YAML file's name; if given, it must equal it
     description: str = ""
     family: str = MISSING  # module in zoo/policies/
     source: Source = field(default_factory=Source)
     unit: Unit = field(default_factory=Unit)
-    # Example input sizes the family reads (e.g. seq_len, frames, text_len); family-specific.
+    # Example input sizes the family reads (e.g. seq_len, frames, text_len); family-specific. A size named
+    # like a dynamic dim is the size torch.export traces with: it must lie strictly inside that dim's range.
     inputs: Dict[str, Any] = field(default_factory=dict)
     dynamic: Dict[str, DynamicDim] = field(default_factory=dict)
     rewrites: List[str] = field(default_factory=list)
@@ -111,6 +123,9 @@ class Recipe:
                     f"use one of: {', '.join(map(str, allowed))}",
                 )
 
+        def fail(what: str, hint: str) -> None:
+            raise RecipeError(f"recipe {self.name!r}: {what}", hint)
+
         need(self.family in FAMILIES, "family", self.family, FAMILIES)
         need(self.unit.dtype in DTYPES, "unit.dtype", self.unit.dtype, DTYPES)
         need(self.rotary_pairs in PAIR_DTYPES, "rotary_pairs", self.rotary_pairs, PAIR_DTYPES)
@@ -119,71 +134,221 @@ class Recipe:
         need(self.lowering.kv_pool in ("buffer", "io"), "lowering.kv_pool", self.lowering.kv_pool, ("buffer", "io"))
         for name in self.rewrites:
             need(name in rewrites.names(), "rewrites", name, rewrites.names())
+        if len(set(self.rewrites)) != len(self.rewrites):
+            fail(f"rewrites lists a rewrite twice: {list(self.rewrites)}", "name each rewrite once")
+        self._validate_source(fail)
         if not self.unit.methods:
-            raise RecipeError(f"recipe {self.name!r}: unit.methods is empty", "name at least one method")
+            fail("unit.methods is empty", "name at least one method")
+        for method in self.unit.methods:
+            if not _IDENTIFIER.match(method):
+                fail(f"unit.methods has {method!r}, which is not an identifier",
+                     "method names become ExecuTorch method and file names: use letters, digits and _")
+        if len(set(self.unit.methods)) != len(self.unit.methods):
+            fail(f"unit.methods lists a method twice: {list(self.unit.methods)}", "name each method once")
+        self._validate_dynamic(fail)
+        if not self.verify.seeds:
+            fail("verify.seeds is empty", "give at least one seed")
+        tol = self.verify.tolerance
+        for key in ("float32", "float64", "bf16_factor"):
+            if not getattr(tol, key) > 0:
+                fail(f"verify.tolerance.{key}={getattr(tol, key)} is not positive", "tolerances are > 0")
+        if not -1.0 <= tol.bf16_min_cosine <= 1.0:
+            fail(f"verify.tolerance.bf16_min_cosine={tol.bf16_min_cosine}", "a cosine lies in [-1, 1]")
+        if self.lowering.max_mm_configs is not None and self.lowering.max_mm_configs < 1:
+            fail(f"lowering.max_mm_configs={self.lowering.max_mm_configs}", "use null (no cap) or a count >= 1")
+        return self
+
+    def _validate_source(self, fail) -> None:
+        src = self.source
+        if src.local_dir is not None:
+            if not str(src.local_dir).strip():
+                fail("source.local_dir is empty", "give a checkpoint folder, or null to pull from the Hub")
+            return  # the repo id only labels a local checkpoint
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(src.repo_id)
+        except HFValidationError as exc:
+            fail(f"source.repo_id={src.repo_id!r} is not a Hub repo id ({_first_line(exc)})",
+                 "use 'org/name' as on huggingface.co, or set source.local_dir to a checkpoint folder")
+        if not src.revision.strip():
+            fail("source.revision is empty", "use a branch, tag or 40-hex commit (default: main)")
+
+    def _validate_dynamic(self, fail) -> None:
         for dim, rng in self.dynamic.items():
-            if not (1 <= rng.min <= rng.max):
-                raise RecipeError(f"recipe {self.name!r}: dynamic.{dim} has min={rng.min} max={rng.max}",
-                                  "set 1 <= min <= max")
+            if not _IDENTIFIER.match(dim):
+                fail(f"dynamic dim {dim!r} is not an identifier", "torch.export.Dim names are identifiers")
+            if not (1 <= rng.min and rng.min + 2 <= rng.max):
+                # torch.export needs an example size strictly inside the range; a range without one is a
+                # static size and belongs in `inputs`.
+                fail(f"dynamic.{dim} has min={rng.min} max={rng.max}",
+                     "set 1 <= min and max >= min + 2, or make a fixed size a static input size")
+            if dim in self.inputs:
+                size = self.inputs[dim]
+                if isinstance(size, bool) or not isinstance(size, int) or not rng.min < size < rng.max:
+                    fail(f"inputs.{dim}={size!r} is the size torch.export traces dynamic dim {dim!r} with, "
+                         f"and must lie strictly inside [{rng.min}, {rng.max}]",
+                         "a size on a bound (or outside) makes torch.export specialise or reject it; pick one "
+                         "in between, or leave it out and zoo picks one")
             for size in self.verify.sizes.get(dim, []):
                 if not rng.min <= size <= rng.max:
-                    raise RecipeError(f"recipe {self.name!r}: verify.sizes.{dim} has {size}, outside "
-                                      f"[{rng.min}, {rng.max}]", "verify only at sizes the artifact accepts")
+                    fail(f"verify.sizes.{dim} has {size}, outside [{rng.min}, {rng.max}]",
+                         "verify only at sizes the artifact accepts")
         for dim in self.verify.sizes:
             if dim not in self.dynamic:
-                raise RecipeError(f"recipe {self.name!r}: verify.sizes.{dim} names no dynamic dim",
-                                  f"dynamic dims: {', '.join(self.dynamic) or 'none'}")
-        if not self.verify.seeds:
-            raise RecipeError(f"recipe {self.name!r}: verify.seeds is empty", "give at least one seed")
-        return self
+                fail(f"verify.sizes.{dim} names no dynamic dim", f"dynamic dims: {', '.join(self.dynamic) or 'none'}")
 
     def to_dict(self) -> Dict[str, Any]:
         return OmegaConf.to_container(OmegaConf.structured(self), resolve=True)  # type: ignore[return-value]
 
+    def to_yaml(self) -> str:
+        return OmegaConf.to_yaml(OmegaConf.structured(self))
 
-def recipe_names(recipes_dir: Path = RECIPES_DIR) -> List[str]:
-    return sorted(p.stem for p in recipes_dir.glob("*.yaml"))
+    def summary(self) -> Dict[str, str]:
+        """One row of `python -m zoo list`: where the weights come from and what gets exported."""
+        src = self.source
+        hub = src.repo_id if src.revision == "main" else f"{src.repo_id}@{src.revision}"
+        notes = []
+        if src.fabricate:
+            notes.append("fabricated weights, offline")
+        if src.local_dir:
+            notes.append(f"local checkpoint {src.local_dir}")
+        if self.dynamic:
+            notes.append("dynamic " + ", ".join(f"{d} {r.min}..{r.max}" for d, r in self.dynamic.items()))
+        if self.description:
+            first = " ".join(self.description.split()).split(": ")[0].split(". ")[0]
+            notes.append(first if len(first) <= 60 else first[:57].rstrip() + "...")
+        return {"name": self.name, "family": self.family, "hub": hub, "methods": ", ".join(self.unit.methods),
+                "dtype": self.unit.dtype, "notes": "; ".join(notes)}
+
+
+def recipe_names(recipes_dir: Path = RECIPES_DIR, pattern: Optional[str] = None) -> List[str]:
+    """Recipe names (YAML file names), optionally filtered by an fnmatch pattern such as ``lingbot*``."""
+    names = sorted(p.stem for p in Path(recipes_dir).glob("*.yaml"))
+    return [n for n in names if pattern is None or fnmatch.fnmatch(n, pattern)]
+
+
+def recipe_path(name_or_path: str, recipes_dir: Path = RECIPES_DIR) -> Path:
+    """The YAML file of a recipe name, or the path itself; an unknown name raises, listing close names."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    path = Path(recipes_dir) / f"{name_or_path}.yaml"
+    if path.is_file():
+        return path
+    known = recipe_names(recipes_dir)
+    close = difflib.get_close_matches(name_or_path, known, n=3, cutoff=0.4)
+    close += [n for n in known if name_or_path and name_or_path in n and n not in close][:3]
+    hint = f"did you mean: {', '.join(close)}?" if close else f"known recipes: {', '.join(known) or 'none'}"
+    raise RecipeError(f"unknown recipe {name_or_path!r}", hint + " (`python -m zoo list` shows them all)")
 
 
 def load_recipe(name_or_path: str, overrides: Sequence[str] = (), recipes_dir: Path = RECIPES_DIR) -> Recipe:
     """Read a recipe by name (``recipes/<name>.yaml``) or path, apply dotted overrides, validate."""
-    path = Path(name_or_path)
-    if not (path.suffix in (".yaml", ".yml") and path.exists()):
-        path = recipes_dir / f"{name_or_path}.yaml"
-    if not path.exists():
-        known = recipe_names(recipes_dir)
-        close = difflib.get_close_matches(name_or_path, known, n=3, cutoff=0.4)
-        hint = f"did you mean: {', '.join(close)}?" if close else f"known recipes: {', '.join(known)}"
-        raise RecipeError(f"unknown recipe {name_or_path!r}", hint + " (`python -m zoo list` shows them all)")
-
+    path = recipe_path(name_or_path, recipes_dir)
     schema = OmegaConf.structured(Recipe)
     try:
-        merged = OmegaConf.merge(schema, OmegaConf.load(path))
+        loaded = OmegaConf.load(path)
+        merged = OmegaConf.merge(schema, loaded)
     except OmegaConfBaseException as exc:
-        raise RecipeError(f"recipe file {path} does not fit the schema: {_first_line(exc)}",
+        raise RecipeError(f"recipe file {path} does not fit the schema: {_describe(exc)}",
                           "fix the key or value named above") from None
+    except Exception as exc:  # a YAML syntax error: the parser's message names line and column
+        raise RecipeError(f"recipe file {path} is not valid YAML: {_first_line(exc)}",
+                          "fix the file's syntax") from None
+    if OmegaConf.is_missing(merged, "name"):
+        merged.name = path.stem
+    elif merged.name != path.stem:
+        raise RecipeError(f"recipe file {path} says name: {merged.name!r}",
+                          f"a recipe's name is its file name: set name: {path.stem} or remove the key")
     for item in overrides:
         merged = _apply_override(merged, item)
     try:
         recipe: Recipe = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
-        raise RecipeError(f"recipe {path.stem!r} is incomplete: {_first_line(exc)}",
-                          "set the missing key in the YAML file or as an override") from None
+        raise RecipeError(f"recipe {path.stem!r} is incomplete: {_describe(exc)}",
+                          "set the missing key in the YAML file or as an override (KEY=VALUE)") from None
+    if recipe.source.local_dir:
+        recipe.source.local_dir = str(Path(recipe.source.local_dir).expanduser())
     return recipe.validate()
 
 
 def _apply_override(cfg, item: str):
     """Merge one ``dotted.key=value`` into the structured config; the schema rejects unknown keys and types."""
-    key, eq, _ = item.partition("=")
-    if not eq or not key:
+    key, eq, value = item.partition("=")
+    if not eq or not key.strip():
         raise RecipeError(f"bad override {item!r}: expected KEY=VALUE", "for example: unit.dtype=bfloat16")
     try:
         return OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+    except ConfigKeyError as exc:
+        raise RecipeError(f"bad override {item!r}: {_describe(exc)}", _keys_hint(key)) from None
     except OmegaConfBaseException as exc:
-        raise RecipeError(f"bad override {item!r}: {_first_line(exc)}",
-                          "use a dotted key of the schema with a value of its type, "
-                          "e.g. verify.seeds=[0,1] or lowering.max_mm_configs=4") from None
+        expected = expected_type(key)
+        what = f"{key} takes {expected}, not {value!r}" if expected else _describe(exc)
+        raise RecipeError(f"bad override {item!r}: {what}",
+                          "use a value of the key's type, e.g. verify.seeds=[0,1], lowering.max_mm_configs=4, "
+                          "source.fabricate=true") from None
+
+
+def expected_type(dotted: str) -> Optional[str]:
+    """The schema's type of a dotted key, in words ('a list of int'), or None if the key is not in the schema."""
+    tp: Any = Recipe
+    for part in dotted.split("."):
+        origin = typing.get_origin(tp)
+        if dataclasses.is_dataclass(tp):
+            hints = typing.get_type_hints(tp)
+            if part not in hints:
+                return None
+            tp = hints[part]
+        elif origin in (dict, Dict):
+            tp = typing.get_args(tp)[1]
+        else:
+            return None
+    return _type_words(tp)
+
+
+def _type_words(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        return f"{_type_words(inner[0])} or null"
+    if origin in (list, List):
+        return f"a list of {_type_words(args[0])}"
+    if origin in (dict, Dict):
+        return f"a mapping to {_type_words(args[1])}"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
+    return {int: "int", float: "float", str: "str", bool: "bool (true/false)"}.get(tp, "any value")
+
+
+def _keys_hint(dotted: str) -> str:
+    """Name the keys that exist where an unknown one was given, with the closest first."""
+    parent, _, leaf = dotted.rpartition(".")
+    tp: Any = Recipe
+    for part in [p for p in parent.split(".") if p]:
+        if not dataclasses.is_dataclass(tp):
+            return "use a key of the recipe schema (see zoo/recipes.py)"
+        tp = typing.get_type_hints(tp).get(part)
+        if typing.get_origin(tp) in (dict, Dict):
+            return "use a key of the recipe schema (see zoo/recipes.py)"
+    if not dataclasses.is_dataclass(tp):
+        return "use a key of the recipe schema (see zoo/recipes.py)"
+    keys = [f.name for f in dataclasses.fields(tp)]
+    close = difflib.get_close_matches(leaf, keys, n=1)
+    prefix = f"{parent}." if parent else ""
+    guess = f"did you mean {prefix}{close[0]}? " if close else ""
+    return f"{guess}keys of {parent or 'a recipe'}: {', '.join(keys)}"
+
+
+def _describe(exc: BaseException) -> str:
+    """omegaconf's message without its 'full_key/object_type' trailer, with the full key named."""
+    msg = _first_line(exc)
+    full_key = getattr(exc, "full_key", None)
+    if full_key and full_key not in msg:
+        msg = f"{full_key}: {msg}"
+    return msg
 
 
 def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0]
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

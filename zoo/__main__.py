@@ -1,0 +1,101 @@
+"""``python -m zoo COMMAND ...``: list recipes, export, lower, audit, and the other zoo commands.
+
+Each command other than ``list`` belongs to its own module and is imported only when used, so a machine
+that lacks an optional part (lerobot for export, a GPU stack for lower) can still run the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .cli import guarded, report_error
+from .errors import ZooError
+
+# command -> (module, function taking argv, one-line help)
+DELEGATES: Dict[str, Tuple[str, str, str]] = {
+    "export": ("zoo.export", "main", "pull, export, rewrite, check (and lower/verify on a GPU): python -m zoo export RECIPE"),
+    "lower": ("zoo.lower", "main", "lower, audit and verify a saved run folder on a GPU (model.pte + .ptd)"),
+    "audit": ("zoo.audit", "audit_main", "which ExecuTorch CUDA runtimes can load an artifact"),
+    "publish": ("zoo.publish", "main", "publish a verified run to the Hugging Face Hub"),
+    "bench": ("zoo.bench", "main", "time a lowered artifact on the GPU"),
+    "bundle": ("zoo.bundle", "main", "wheels and checkpoints for a machine without network"),
+    "doctor": ("zoo.doctor", "main", "what this machine can do; summarise run folders"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m zoo", description="zoo: export robot policies to verified "
+                                     "ExecuTorch CUDA artifacts. `python -m zoo COMMAND --help` for a command's options.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    lister = sub.add_parser("list", help="every recipe with its Hub id and what it exports")
+    lister.add_argument("pattern", nargs="?", default=None, help="fnmatch filter on names, e.g. 'lingbot*'")
+    for name, (_, _, help_text) in DELEGATES.items():
+        # The delegate parses its own arguments (and answers its own --help).
+        p = sub.add_parser(name, help=help_text, add_help=False)
+        p.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv:
+        parser.print_help()
+        return 2
+    if argv[0] in DELEGATES:  # pass everything after the command through untouched (options included)
+        return _delegate(argv[0], argv[1:])
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        return guarded(lambda: list_recipes(args.pattern))
+    parser.print_help()
+    return 2
+
+
+def list_recipes(pattern: Optional[str] = None, out=None) -> int:
+    from .recipes import load_recipe, recipe_names
+    from .report import format_table
+
+    out = out or sys.stdout
+    names = recipe_names(pattern=pattern)
+    if not names:
+        raise ZooError(f"no recipe matches {pattern!r}" if pattern else "no recipes found",
+                       "`python -m zoo list` without a pattern shows them all")
+    rows: List[List[str]] = [["name", "family", "hub id", "methods", "dtype", "notes"]]
+    for name in names:
+        try:
+            s = load_recipe(name).summary()
+            rows.append([s["name"], s["family"], s["hub"], s["methods"], s["dtype"], s["notes"]])
+        except ZooError as exc:  # one broken recipe file must not hide the others
+            rows.append([name, "?", "?", "?", "?", f"BROKEN: {exc.message}"])
+    print(format_table(rows), file=out)
+    return 0
+
+
+def _delegate(command: str, argv: List[str]) -> int:
+    try:
+        func = _load(command)
+    except ZooError as exc:
+        return report_error(exc)
+    if command == "export":
+        return guarded(lambda: func(argv, prog="python -m zoo export"))
+    return guarded(lambda: func(argv))
+
+
+def _load(command: str) -> Callable[..., int]:
+    module_name, func_name, _ = DELEGATES[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:  # the command exists but one of its own imports is missing
+            raise ZooError(f"`python -m zoo {command}` needs the package {exc.name}, which is not installed",
+                           f"install it, or use zoo's offline bundle (`python -m zoo bundle`)") from exc
+        raise ZooError(f"`python -m zoo {command}` is not available in this zoo installation "
+                       f"({module_name} is missing)", "update zoo") from exc
+    return getattr(module, func_name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
