@@ -69,7 +69,10 @@ class RunReport:
                                ("lowering", "Lowering"), ("audit", "Runtime audit"), ("verification", "Verification")):
             value = self.data.get(section)
             if value:
-                out += [f"## {title}", "", "```json", json.dumps(value, indent=2, default=str), "```", ""]
+                out += [f"## {title}", ""]
+                if isinstance(value, dict) and isinstance(value.get("table"), str):  # a step's own text table
+                    out += ["```", value["table"], "```", ""]
+                out += ["```json", json.dumps(value, indent=2, default=str), "```", ""]
         return "\n".join(out)
 
 

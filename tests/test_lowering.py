@@ -1,0 +1,239 @@
+"""Lowering on a CPU: ExecuTorch's real partitioning, serialisation and named-data layout, with only
+AOTInductor's GPU compile replaced (tests/fixtures/fake_cuda.py). Checks the multi-method .pte, the .so and
+weights blob taken back out of the written bytes, the delegate I/O order, atomic writes, the settings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zoo.lowering as lowering
+from zoo import audit
+from zoo.errors import LoweringError, NoGpuError
+from zoo.recipes import Lowering, Recipe, Source, Unit
+
+_spec = importlib.util.spec_from_file_location("zoo_test_fake_cuda",
+                                               Path(__file__).resolve().parent / "fixtures" / "fake_cuda.py")
+fake_cuda = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fake_cuda)
+
+
+class Permuted(nn.Module):
+    """Uses its inputs in the order c, b, a: the partition's first-use order puts them in the .so that way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return self.proj(c) * b + a
+
+
+class Pool(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("pool", torch.zeros(16, 4))
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        self.pool.index_copy_(0, slots, self.proj(x))
+        return self.pool.sum(0)
+
+
+class PassThrough(nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor):
+        return x * 2, y
+
+
+def recipe(methods) -> Recipe:
+    return Recipe(name="lowering-test", family="llama", source=Source(repo_id="none/none"),
+                  unit=Unit(methods=list(methods)), lowering=Lowering(triton_kernel_mode="OFF", max_mm_configs=2))
+
+
+def programs():
+    with torch.no_grad():
+        return {"permuted": torch.export.export(Permuted(), (torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4))),
+                "pool": torch.export.export(Pool(), (torch.randn(2, 4), torch.tensor([3, 9])))}
+
+
+@pytest.fixture(scope="module")
+def lowered(tmp_path_factory):
+    out = tmp_path_factory.mktemp("lowered")
+    fake = fake_cuda.FakeCudaCompile({"pool": (fake_cuda.FIXTURE_SO / "float64.so").read_bytes()})
+    progs = programs()
+    before = {name: str(ep.graph) for name, ep in progs.items()}
+    with pytest.MonkeyPatch.context() as mp:
+        fake.install(mp)
+        result = lowering.lower_to_pte(progs, out, recipe(progs))
+    return {"out": out, "fake": fake, "result": result, "programs": progs, "before": before}
+
+
+def test_one_pte_with_both_methods_and_one_ptd(lowered):
+    out, result = lowered["out"], lowered["result"]
+    assert (out / "model.pte").is_file() and (out / "aoti_cuda_blob.ptd").is_file()
+    methods, named = lowering.read_pte(out / "model.pte")
+    assert sorted(methods) == ["permuted", "pool"]
+    assert {m.backend for m in methods.values()} == {"CudaBackend"}
+    assert sorted(named) == ["permuted_so_blob", "pool_so_blob"]  # the .so files live inside the .pte
+    assert sorted(lowering.read_ptd_index(out / "aoti_cuda_blob.ptd")) == ["permuted_weights_blob",
+                                                                          "pool_weights_blob"]
+    assert result.pte_bytes == (out / "model.pte").stat().st_size
+    assert result.ptd_bytes == (out / "aoti_cuda_blob.ptd").stat().st_size
+    assert not list(out.glob(".*tmp*"))
+
+
+def test_each_method_compiled_with_its_name_and_the_recipe_triton_mode(lowered):
+    specs = lowered["fake"].compile_specs
+    assert specs["permuted"] == {"method_name": b"permuted", "triton_kernel_mode": b"OFF"}
+    assert specs["pool"] == {"method_name": b"pool", "triton_kernel_mode": b"OFF"}
+
+
+def test_so_and_weights_come_back_out_of_the_written_bytes(lowered):
+    out, fake = lowered["out"], lowered["fake"]
+    for method in ("permuted", "pool"):
+        assert (out / "so" / f"{method}.so").read_bytes() == fake.so_bytes(method)
+        assert (out / "so" / f"{method}.weights.blob").read_bytes() == fake_cuda.weights_bytes(method)
+    art = lowered["result"].methods["pool"]
+    assert art.so_bytes == len(fake.so_bytes("pool"))
+    assert art.weights_bytes == len(fake_cuda.weights_bytes("pool"))
+
+
+def test_delegate_io_order_is_recorded_beside_the_so(lowered):
+    out = lowered["out"]
+    permuted = json.loads((out / "so" / "permuted.io.json").read_text())
+    assert permuted["input_names"] == ["a", "b", "c"]
+    assert permuted["input_order"] == [2, 1, 0]  # c (into the linear) first, then b, then a
+    assert permuted["output_order"] == [0]
+    pool = lowering.load_io_order(out, "pool")
+    assert pool["input_order"] == [0, 1] and pool["output_order"] == [0]
+    # The pool buffer lives inside the pool method's .so: 16 x 4 float32, stored once per method.
+    assert pool["mutable_buffers"] == {"pool": 16 * 4 * 4}
+    assert lowered["result"].methods["pool"].mutable_buffers == {"pool": 256}
+
+
+def test_lowering_leaves_the_given_programs_alone(lowered):
+    assert {name: str(ep.graph) for name, ep in lowered["programs"].items()} == lowered["before"]
+
+
+def test_audit_reads_the_written_pte_per_method(lowered):
+    result = audit.audit_artifact(lowered["out"] / "model.pte")
+    by_method = {m.method: m for m in result.methods}
+    assert by_method["permuted"].loadable("1.2")
+    assert by_method["pool"].missing["1.2"] == ["aoti_torch_dtype_float64"]
+    assert not result.loadable("1.2")
+    assert audit.audit_artifact(lowered["out"]).as_dict()["releases"] == result.as_dict()["releases"]
+
+
+def test_report_record_has_sizes_time_gpu_and_table(lowered):
+    summary = lowered["result"].summary()
+    assert summary["gpu"] == {"name": "fake GPU (CPU test)", "capability": "90"}
+    assert summary["seconds"] > 0 and summary["compile_seconds"] > 0
+    assert summary["options"]["max_mm_configs"] == 2 and summary["options"]["triton_kernel_mode"] == "OFF"
+    assert summary["preflight"]["ok"] is True
+    assert "permuted" in summary["table"] and "[2, 1, 0]" in summary["table"]
+
+
+def test_interrupted_write_leaves_no_model_pte(tmp_path, monkeypatch):
+    from executorch.exir.program._program import ExecutorchProgramManager
+
+    (tmp_path / "model.pte").write_bytes(b"an earlier run's program")
+    fake = fake_cuda.FakeCudaCompile({})
+    fake.install(monkeypatch)
+
+    def interrupted(self, outdir):
+        (Path(outdir) / "aoti_cuda_blob.ptd").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ExecutorchProgramManager, "write_tensor_data_to_file", interrupted)
+    progs = programs()
+    with pytest.raises(KeyboardInterrupt):
+        lowering.lower_to_pte(progs, tmp_path, recipe(progs), run_preflight=False)
+    assert not (tmp_path / "model.pte").exists()
+    assert not (tmp_path / "aoti_cuda_blob.ptd").exists()
+    assert [p.name for p in tmp_path.iterdir()] == []  # no staging folder or temporary left either
+
+
+def test_failed_pte_write_leaves_no_model_pte(tmp_path, monkeypatch):
+    from executorch.exir.program._program import ExecutorchProgramManager
+
+    fake = fake_cuda.FakeCudaCompile({})
+    fake.install(monkeypatch)
+
+    def broken(self, fh):
+        fh.write(b"\0" * 100)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ExecutorchProgramManager, "write_to_file", broken)
+    progs = programs()
+    with pytest.raises(OSError, match="disk full"):
+        lowering.lower_to_pte(progs, tmp_path, recipe(progs), run_preflight=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_output_passed_through_is_refused_with_a_reason(tmp_path, monkeypatch):
+    fake_cuda.FakeCudaCompile({}).install(monkeypatch)
+    with torch.no_grad():
+        progs = {"forward": torch.export.export(PassThrough(), (torch.randn(3), torch.randn(3)))}
+    with pytest.raises(LoweringError, match="does not come from the delegate"):
+        lowering.lower_to_pte(progs, tmp_path, recipe(progs), run_preflight=False)
+    assert not (tmp_path / "model.pte").exists()
+
+
+def test_preflight_refuses_before_compiling(tmp_path, monkeypatch):
+    fake = fake_cuda.FakeCudaCompile({})
+    fake.install(monkeypatch)
+
+    class Detached(nn.Module):
+        def forward(self, x):
+            return (x * 2).detach()
+
+    with torch.no_grad():
+        progs = {"forward": torch.export.export(Detached(), (torch.randn(3),))}
+    with pytest.raises(LoweringError, match="aten::detach_copy"):
+        lowering.lower_to_pte(progs, tmp_path, recipe(progs))
+    assert fake.partitions == {}  # nothing reached the compile step
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_no_gpu_is_a_clear_error(tmp_path):
+    with pytest.raises(NoGpuError, match="needs a CUDA device"):
+        lowering.lower_to_pte(programs(), tmp_path, recipe(["permuted", "pool"]))
+
+
+def test_inductor_settings_apply_inside_and_restore_after(monkeypatch, tmp_path):
+    import torch._inductor.config as cfg
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("ZOO_INDUCTOR_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_MAX_AUTOTUNE_PRUNE_CHOICES_BASED_ON_SHARED_MEM", raising=False)
+    before = (cfg.test_configs.max_mm_configs, cfg.max_autotune_prune_choices_based_on_shared_mem)
+    with lowering.inductor_settings(3) as options:
+        assert cfg.test_configs.max_mm_configs == 3
+        assert cfg.max_autotune_prune_choices_based_on_shared_mem is True
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache")
+        assert os.environ["TORCHINDUCTOR_MAX_AUTOTUNE_PRUNE_CHOICES_BASED_ON_SHARED_MEM"] == "1"
+        assert options["inductor_cache_dir"] == str(tmp_path / "cache") and (tmp_path / "cache").is_dir()
+    assert (cfg.test_configs.max_mm_configs, cfg.max_autotune_prune_choices_based_on_shared_mem) == before
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def test_flatc_is_found_and_runnable(monkeypatch):
+    monkeypatch.delenv("FLATC_EXECUTABLE", raising=False)
+    path = lowering.ensure_flatc()
+    assert os.environ["FLATC_EXECUTABLE"] == path
+    assert Path(path).name == "flatc" and os.access(path, os.X_OK)
+
+
+def test_reading_a_foreign_file_is_a_zoo_error(tmp_path):
+    bad = tmp_path / "model.pte"
+    bad.write_bytes(b"\0" * 64)
+    with pytest.raises(LoweringError, match="not a readable ExecuTorch program"):
+        lowering.read_pte(bad)
+    with pytest.raises(LoweringError, match="not an ExecuTorch data file"):
+        lowering.read_ptd_index(bad)

@@ -1,0 +1,71 @@
+"""Running a method's compiled ``.so`` and weights blob, exactly as shipped, through torch's AOTI runner.
+
+The ``.so`` AOTInductor builds for ExecuTorch does not link libtorch: it imports its ``aoti_torch_*`` runtime
+functions by name. Python loads libtorch with RTLD_LOCAL, so those names are invisible to a library opened
+later and the runner fails with "undefined symbol: aoti_torch_...". Re-opening libtorch_cpu and libtorch_cuda
+with RTLD_GLOBAL|RTLD_NOLOAD (the trick ExecuTorch's own CUDA runtime plays on its shim library) makes them
+visible without loading anything new. This runs the shipped kernels on libtorch's shims; pair it with the
+symbol audit (zoo.audit), which checks the names against ExecuTorch's runtimes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import List, Sequence, Union
+
+import torch
+
+from .errors import NoGpuError, VerificationFailed
+
+_PROMOTED = False
+
+
+def promote_libtorch_global() -> None:
+    """Make libtorch's ``aoti_torch_*`` functions visible to libraries opened after this call."""
+    global _PROMOTED
+    if _PROMOTED:
+        return
+    lib_dir = Path(torch.__file__).resolve().parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cuda.so"):
+        path = lib_dir / name
+        if path.exists():
+            # RTLD_NOLOAD: only change the flags of the copy already loaded, never load a second one.
+            ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+    _PROMOTED = True
+
+
+def load_weights(container, weights_path: Union[str, Path, None]) -> bool:
+    """Give a runner the constants its .so was built without; False when there are none to give.
+
+    A method without constants has an empty weights blob, and the runner cannot mmap an empty file ("mmap()
+    failed", seen on an H200), so an empty blob is skipped. ``update_constant_buffer_from_blob`` is bound in
+    torch 2.11 although missing from ``_aoti.pyi``.
+    """
+    if not weights_path or Path(weights_path).stat().st_size == 0:
+        return False
+    container.update_constant_buffer_from_blob(str(weights_path))
+    return True
+
+
+class AotiRunner:
+    """One method's ``.so`` with its weights blob loaded, ready to run on ``device`` (a CUDA device)."""
+
+    def __init__(self, so_path: Union[str, Path], weights_path: Union[str, Path, None], device: str = "cuda"):
+        if not torch.cuda.is_available():
+            raise NoGpuError("running the compiled .so needs a CUDA device and none is visible",
+                             "verify on the machine with the GPU (`python -m zoo.lower RUN_DIR`)")
+        promote_libtorch_global()
+        self.so_path = Path(so_path)
+        try:
+            self._runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(self.so_path), 1, device)
+            load_weights(self._runner, weights_path)
+        except RuntimeError as exc:
+            raise VerificationFailed(f"torch's AOTI runner cannot load {self.so_path}: {exc}",
+                                     "the .so and its weights blob must come from one lowering, run with the torch "
+                                     f"version that compiled them (this is {torch.__version__})") from exc
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Run with inputs in the .so's own order; returns its outputs in its own order."""
+        return list(self._runner.run([t.contiguous() for t in inputs]))
