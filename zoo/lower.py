@@ -39,26 +39,13 @@ def load_programs(run_dir: Path, methods: Sequence[str], kind: str = "rewritten"
 
 
 def load_run_recipe(run_dir: Path, overrides: Sequence[str] = ()):
-    """The resolved recipe a run folder holds (``recipe.yaml``), with ``overrides`` applied.
-
-    ``load_recipe`` takes a recipe's name from its file name, and a run folder's file is always recipe.yaml:
-    it is read through a copy named after the recipe it holds."""
-    import shutil
-    import tempfile
-
-    from omegaconf import OmegaConf
-
+    """The resolved recipe a run folder holds (``recipe.yaml``), with ``overrides`` applied."""
     from .recipes import load_recipe
 
     path = Path(run_dir) / "recipe.yaml"
-    try:
-        name = str(OmegaConf.load(path).get("name") or "recipe")
-    except Exception as exc:  # YAML syntax errors come in several types; load_recipe words them below
-        raise LoweringError(f"{path} cannot be read: {exc}", "export the recipe again") from None
-    with tempfile.TemporaryDirectory(prefix="zoo-recipe-") as tmp:
-        copy = Path(tmp) / f"{Path(name).name}.yaml"
-        shutil.copyfile(path, copy)
-        return load_recipe(str(copy), overrides)
+    if not path.exists():
+        raise LoweringError(f"{path} is missing", "export the recipe again (`python -m zoo.export RECIPE`)")
+    return load_recipe(str(path), overrides, check_name=False)
 
 
 def _record(report: RunReport, stage: str, status: str, start: float, detail: str = "") -> None:
@@ -138,6 +125,12 @@ def lower_run(run_dir: Path, overrides: Sequence[str] = (), *, verify: bool = Tr
             _record(report, "verify", "done", start, f"{len(verified.rows)} outputs within tolerance")
             print(verified.table())
         report.record("status", "verified" if verify else "lowered")
+        if verify:
+            # Only a verified artifact gets a manifest, and publishing refuses a run without one.
+            from .manifest import write_manifest
+
+            report.write()
+            write_manifest(run_dir, report)
     except BaseException as exc:
         report.record("status", "failed")
         report.record("error", {"type": type(exc).__name__, "message": getattr(exc, "message", str(exc)),

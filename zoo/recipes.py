@@ -243,8 +243,11 @@ def recipe_path(name_or_path: str, recipes_dir: Path = RECIPES_DIR) -> Path:
     raise RecipeError(f"unknown recipe {name_or_path!r}", hint + " (`python -m zoo list` shows them all)")
 
 
-def load_recipe(name_or_path: str, overrides: Sequence[str] = (), recipes_dir: Path = RECIPES_DIR) -> Recipe:
-    """Read a recipe by name (``recipes/<name>.yaml``) or path, apply dotted overrides, validate."""
+def load_recipe(name_or_path: str, overrides: Sequence[str] = (), recipes_dir: Path = RECIPES_DIR,
+                check_name: bool = True) -> Recipe:
+    """Read a recipe by name (``recipes/<name>.yaml``) or path, apply dotted overrides, validate.
+
+    ``check_name=False`` reads a resolved recipe saved under another file name (a run folder's recipe.yaml)."""
     path = recipe_path(name_or_path, recipes_dir)
     schema = OmegaConf.structured(Recipe)
     try:
@@ -258,7 +261,7 @@ def load_recipe(name_or_path: str, overrides: Sequence[str] = (), recipes_dir: P
                           "fix the file's syntax") from None
     if OmegaConf.is_missing(merged, "name"):
         merged.name = path.stem
-    elif merged.name != path.stem:
+    elif check_name and merged.name != path.stem:
         raise RecipeError(f"recipe file {path} says name: {merged.name!r}",
                           f"a recipe's name is its file name: set name: {path.stem} or remove the key")
     for item in overrides:

@@ -7,7 +7,6 @@ float64 math; never the rewrite's own earlier output. Shapes are tiny so the mod
 from __future__ import annotations
 
 import logging
-import time
 import warnings
 
 import pytest
@@ -803,17 +802,14 @@ class Stack(nn.Module):
         return x
 
 
-def test_rewrite_time_grows_linearly_with_program_size():
-    def cost(layers: int):
-        ep = export_ng(Stack(layers), (torch.randn(1, 6, 2, 8),))
-        start = time.process_time()
-        result = rewrite(ep)
-        return time.process_time() - start, len(ep.graph.nodes), result
 
-    cost(2)  # warm caches (first fake-tensor dispatch of each op)
-    small_t, small_n, _ = cost(10)
-    large_t, large_n, result = cost(40)
+def test_deep_stack_rewrites_every_layer_and_matches_eager():
+    # The rewrite's speed is measured by benchmarks, not here; this checks a 40-layer program is handled whole.
+    module = Stack(40)
+    ep = export_ng(module, (torch.randn(1, 6, 2, 8),))
+    result = rewrite(ep)
+    assert result.changed and result.declined is None
     assert result.counts["aten.mul.Tensor"] == 80
-    # Linear work per node: 4x the nodes may cost about 4x; a quadratic pass would cost about 16x.
-    assert large_n >= 3.5 * small_n
-    assert large_t / small_t < 8, (small_t, large_t)
+    x = torch.randn(1, 6, 2, 8, generator=torch.Generator().manual_seed(3))
+    got, want = result.program.module()(x), module(x)
+    assert torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want) < 1e-6
