@@ -28,6 +28,8 @@ def build_parser(prog: str = "python -m zoo.export") -> argparse.ArgumentParser:
                         help="omegaconf dotted overrides, e.g. unit.dtype=bfloat16 verify.seeds=[0,1]")
     parser.add_argument("--output-dir", type=Path, default=None,
                         help=f"run folder (default: {DEFAULT_RUNS}/<recipe name>); an earlier run there is replaced")
+    parser.add_argument("--push-to-hub", metavar="ORG/NAME", default=None,
+                        help="publish the run to this Hub repo once it has verified (refused otherwise)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
     return parser
 
@@ -45,13 +47,19 @@ def _export(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     run_dir = args.output_dir if args.output_dir is not None else DEFAULT_RUNS / recipe.name
     try:
-        report = run_pipeline(recipe, run_dir)
+        report = run_pipeline(recipe, run_dir, args.overrides)
     except BaseException as exc:
         report = getattr(exc, "zoo_report", None)
         if report is not None:
             print_summary(report)
         raise
     print_summary(report)
+    if args.push_to_hub:
+        from .publish import publish_run
+
+        # publish_run refuses (non-zero exit) a run that did not verify, e.g. one made without a GPU.
+        plan = publish_run(run_dir, args.push_to_hub)
+        print(plan.describe())
     return 0
 
 

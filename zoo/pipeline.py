@@ -18,7 +18,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.export import ExportedProgram
@@ -48,7 +48,7 @@ NO_GPU_DETAIL = "needs a CUDA GPU; this machine has none"
 # The whole run
 
 
-def run_pipeline(recipe, run_dir: Path) -> RunReport:
+def run_pipeline(recipe, run_dir: Path, overrides: Sequence[str] = ()) -> RunReport:
     """Run every step for ``recipe`` into ``run_dir``. Returns the report; a failure is recorded in the run
     folder's report and re-raised (a ``ZooError`` the CLI prints, or ``KeyboardInterrupt``)."""
     run_dir = prepare_run_dir(Path(run_dir))
@@ -57,6 +57,7 @@ def run_pipeline(recipe, run_dir: Path) -> RunReport:
     staging.mkdir(parents=True)
     report = RunReport(staging, recipe.to_dict())
     report.record("status", "running")
+    report.record("overrides", list(overrides))  # the manifest names them beside the resolved recipe
     try:
         atomic.write_text(staging / "recipe.yaml", recipe.to_yaml())
         with source_environment(recipe, report):

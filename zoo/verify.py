@@ -22,6 +22,8 @@ import hashlib
 import itertools
 import json
 import math
+import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from . import numerics
 from .errors import NoGpuError, VerificationFailed
-from .lowering import PTD_NAME, PTE_NAME, SO_DIR, load_io_order
+from .lowering import PTD_NAME, PTE_NAME, extract_method_files, load_io_order
 from .policies.base import InputSpec
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -286,13 +288,28 @@ def verify_artifact(run_dir: Path, recipe, *, device: Optional[str] = None,
         return rows
 
     orders = {m: load_io_order(run_dir, m) for m in methods}
+    # The bytes that ship: each method's .so and weights are taken out of model.pte / aoti_cuda_blob.ptd as they
+    # are on disk now (not the copies lowering left in so/), so a swapped or edited file is what gets run.
+    pte, ptd = run_dir / PTE_NAME, run_dir / PTD_NAME
+    if not pte.exists():
+        raise VerificationFailed(f"{pte} is missing", "lower the run first (`python -m zoo.lower RUN_DIR`)")
+    shipped_dir = Path(tempfile.mkdtemp(prefix=".verify.tmp-", dir=run_dir))
+    try:
+        return _verify_shipped(run_dir, recipe, pte, ptd, shipped_dir, methods, factory, device, orders, run_all,
+                               raise_on_failure, try_executorch, start)
+    finally:
+        shutil.rmtree(shipped_dir, ignore_errors=True)
+
+
+def _verify_shipped(run_dir, recipe, pte, ptd, shipped_dir, methods, factory, device, orders, run_all,
+                    raise_on_failure, try_executorch, start) -> VerificationResult:
+    shipped = extract_method_files(pte, ptd if ptd.exists() else None, shipped_dir)
     runners = {}
     for m in methods:
-        so = run_dir / SO_DIR / f"{m}.so"
-        blob = run_dir / SO_DIR / f"{m}.weights.blob"
-        if not so.exists():
-            raise VerificationFailed(f"{so} is missing", "lower the run first (`python -m zoo.lower RUN_DIR`)")
-        runners[m] = factory(m, so, blob if blob.exists() else None, device)
+        if m not in shipped:
+            raise VerificationFailed(f"{pte} holds no compiled .so for method {m!r}",
+                                     "lower the run again (`python -m zoo.lower RUN_DIR`)")
+        runners[m] = factory(m, shipped[m]["so"], shipped[m]["weights"], device)
 
     def call_so(m: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
         order = orders[m]

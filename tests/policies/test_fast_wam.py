@@ -34,9 +34,10 @@ pytestmark = pytest.mark.policies
 
 TINY = "fast-wam-tiny"
 SPLIT = ["unit.methods=[prefill,action_step]"]
+CHUNK = ["unit.methods=[action_chunk]"]  # the tiny recipe ships the split layout, like the real one
 # Export and the rewrites are checked on a 2-step chunk: the same graph per step as the recipe's 10, a
 # fifth of the CPU time.
-TWO_STEPS = ["unit.options.num_inference_steps=2"]
+TWO_STEPS = CHUNK + ["unit.options.num_inference_steps=2"]
 WAN = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
 UMT5 = "google/umt5-xxl"
 
@@ -52,7 +53,7 @@ def build(recipe, checkpoint: Path, cache: Path):
 
 @pytest.fixture(scope="module")
 def recipe():
-    return load_recipe(TINY)
+    return load_recipe(TINY, CHUNK)
 
 
 @pytest.fixture(scope="module")

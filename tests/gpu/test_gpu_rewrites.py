@@ -1,0 +1,137 @@
+"""On a CUDA machine: programs that ExecuTorch 1.2.0's CUDA backend cannot take as exported lower and verify
+once zoo's rewrites have run, and the kernel preflight refuses an int64 scatter_add_ before compiling.
+
+Each case exports on the CPU, applies the named rewrites, lowers with the real CudaPartitioner, takes the .so
+and weights out of the written model.pte / aoti_cuda_blob.ptd, runs them through torch's AOTI runner and
+compares with the module run eagerly on the GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+import torch
+from torch import nn
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _recipe(triton: str):
+    from zoo.recipes import Lowering, Recipe, Source, Unit
+
+    return Recipe(name="gpu-case", family="llama", source=Source(repo_id="none/none"), unit=Unit(methods=["forward"]),
+                  lowering=Lowering(triton_kernel_mode=triton, max_mm_configs=1))
+
+
+def lower_and_compare(module: nn.Module, inputs: Sequence[torch.Tensor], rewrites: Sequence[str], out: Path,
+                      triton: str = "OFF", bound: float = 1e-5):
+    from zoo import numerics, rewrites as zr
+    from zoo.aoti_runner import AotiRunner
+    from zoo.lowering import PTD_NAME, PTE_NAME, extract_method_files, lower_to_pte
+
+    module = module.eval()
+    with torch.no_grad():
+        ep = torch.export.export(module, tuple(inputs), strict=False)
+    for name in rewrites:
+        result = zr.get(name)(ep)
+        assert result.declined is None, result.declined
+        ep = result.program
+    lowered = lower_to_pte({"forward": ep}, out, _recipe(triton))
+    files = extract_method_files(out / PTE_NAME, out / PTD_NAME if (out / PTD_NAME).exists() else None, out / "x")
+    order = lowered.methods["forward"]
+    runner = AotiRunner(files["forward"]["so"], files["forward"]["weights"], "cuda")
+    gpu_inputs = [t.cuda() for t in inputs]
+    outs = runner.run([gpu_inputs[i] for i in order.input_order])
+    got = [outs[j] for j in order.output_order]
+    with torch.no_grad():
+        want = module.cuda()(*gpu_inputs)
+    want = list(want) if isinstance(want, (tuple, list)) else [want]
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        c = numerics.judge(numerics.compare(f"out{i}", g, w), bound)
+        assert c.ok, c.why
+    return got
+
+
+class DetachThenAdd(nn.Module):
+    def forward(self, x):
+        return (x * 2).detach() + 1
+
+
+class LinearSliceOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 32)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y[:, :, :14]
+
+
+class ReturnedTwice(nn.Module):
+    def forward(self, x):
+        y = torch.sin(x) * 3
+        return y, y
+
+
+class CausalEfficient(nn.Module):
+    def forward(self, q, k, v):
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, False, 0.0, True)[0]
+
+
+class CausalFlash(nn.Module):
+    def forward(self, q, k, v):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+
+
+class ScatterAddInt64(nn.Module):
+    def forward(self, index, src):
+        out = torch.zeros(8, dtype=torch.int64, device=src.device)
+        return out.scatter_add_(0, index, src)
+
+
+def g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_detach_lowers_after_replace_detach_with_alias(tmp_path):
+    lower_and_compare(DetachThenAdd(), [torch.randn(4, 8, generator=g(0))], ["replace_detach_with_alias"], tmp_path)
+
+
+def test_sliced_output_is_made_contiguous_and_verifies(tmp_path):
+    got = lower_and_compare(LinearSliceOut(), [torch.randn(2, 5, 16, generator=g(1))], ["make_outputs_safe"], tmp_path)
+    assert got[0].is_contiguous()
+
+
+def test_tensor_returned_twice_becomes_two_buffers(tmp_path):
+    a, b = lower_and_compare(ReturnedTwice(), [torch.randn(3, 7, generator=g(2))], ["make_outputs_safe"], tmp_path)
+    assert a.data_ptr() != b.data_ptr()
+
+
+def test_causal_fused_efficient_attention_at_a_square_shape(tmp_path):
+    q, k, v = (torch.randn(1, 2, 16, 64, generator=g(s)) for s in (3, 4, 5))
+    lower_and_compare(CausalEfficient(), [q, k, v], ["replace_fused_sdpa_with_sdpa"], tmp_path, triton="OFF")
+
+
+def test_causal_fused_flash_attention_bf16_at_a_square_shape(tmp_path):
+    q, k, v = (torch.randn(1, 2, 16, 64, generator=g(s)).to(torch.bfloat16) for s in (6, 7, 8))
+    # bf16 against the fused CUDA kernel run eagerly: both round to bf16, so allow bf16-sized differences.
+    lower_and_compare(CausalFlash(), [q, k, v], ["replace_fused_sdpa_with_sdpa"], tmp_path, triton="ON", bound=2e-2)
+
+
+def test_int64_scatter_add_is_refused_by_the_preflight_before_compiling(tmp_path, monkeypatch):
+    import torch._inductor
+    from zoo.errors import LoweringError
+    from zoo.lowering import PTE_NAME, lower_to_pte
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("AOTInductor compiled: the preflight should have refused first")
+
+    monkeypatch.setattr(torch._inductor, "aot_compile", no_compile)
+    with torch.no_grad():
+        ep = torch.export.export(ScatterAddInt64(), (torch.tensor([1, 2, 3, 4]), torch.tensor([5, 6, 7, 8])))
+    with pytest.raises(LoweringError, match="aoti_torch_cuda_scatter_reduce_two_out"):
+        lower_to_pte({"forward": ep}, tmp_path, _recipe("OFF"))
+    assert not (tmp_path / PTE_NAME).exists()
