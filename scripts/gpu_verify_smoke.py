@@ -119,6 +119,7 @@ def write_run(run: Path, name: str, exported: Dict[str, Any], rewritten: Dict[st
     (run / "recipe.yaml").write_text(OmegaConf.to_yaml({"name": name, "family": "llama",
                                                         "source": {"repo_id": "zoo-smoke/none"}, **recipe}))
     (run / "io_spec.json").write_text(json.dumps({"methods": io, "dynamic": recipe.get("dynamic", {})}))
+    (run / "host_settings.json").write_text("{}\n")  # synthetic units: nothing for a host to drive
     return run
 
 
@@ -223,7 +224,7 @@ def summarize_run(run: Path) -> Dict[str, Any]:
                         "symbols": {m["method"]: m["symbols"] for m in aud["methods"]}}
     ver = report.get("verification")
     if ver:
-        out["verification"] = {"ok": ver["ok"], "executorch_runtime": ver["executorch_runtime"],
+        out["verification"] = {"ok": ver["passed"], "executorch_runtime": ver["executorch_runtime"],
                                "rows": [{k: r[k] for k in ("method", "seed", "sizes", "output", "max_abs", "rel_l2",
                                                            "cosine", "tolerance", "ok", "eager_rel_l2")}
                                         for r in ver["rows"]]}

@@ -145,3 +145,21 @@ def test_bf16_accumulate_depends_on_the_gpu():
 def test_unknown_runtime_is_a_zoo_error(clean_program):
     with pytest.raises(LoweringError, match="unknown runtime release"):
         check_kernels({"forward": clean_program}, "0.9")
+
+
+class CastWithDevice(torch.nn.Module):
+    """Fast-WAM's rope builds positions as int64 and casts them with an explicit device: in the edge program
+    that is ``_to_dim_order_copy(dtype=float64, device=cpu)``, which Inductor fuses into a kernel."""
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[0]).to(dtype=torch.float64, device=x.device)
+        return x * pos.to(torch.float32)[:, None]
+
+
+def test_a_cast_with_a_device_argument_needs_no_fallback_kernel():
+    from zoo import preflight
+
+    with torch.no_grad():
+        ep = torch.export.export(CastWithDevice(), (torch.randn(5, 3),))
+    result = preflight.check_kernels({"forward": ep}, "1.2", triton_kernel_mode="OFF")
+    assert result.refused == []

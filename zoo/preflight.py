@@ -328,6 +328,9 @@ class _Decomposer:
         executorch's ``dim_order_ops._to_dim_order_copy``) decompose in Inductor's trace as well."""
         try:
             flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+            # The trace runs on meta tensors: a device argument (``_to_copy(device=cpu)``, which the backend
+            # moves to cuda anyway) would ask for a copy out of meta memory, so it is traced as meta too.
+            flat = [torch.device("meta") if isinstance(x, torch.device) else x for x in flat]
             metas = [_meta_of(x) for x in flat]
         except _NoMeta:
             return None

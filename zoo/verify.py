@@ -91,7 +91,7 @@ class VerificationResult:
         return [r for r in self.rows if not r.ok]
 
     def as_dict(self) -> Dict[str, Any]:
-        return {"ok": self.ok, "device": self.device, "gpu": self.gpu, "executorch_runtime": self.executorch_runtime,
+        return {"passed": self.ok, "device": self.device, "gpu": self.gpu, "executorch_runtime": self.executorch_runtime,
                 "rotary_pairs": self.rotary_pairs, "unit_dtype": self.unit_dtype, "seconds": round(self.seconds, 3),
                 "rows": [asdict(r) for r in self.rows], "notes": list(self.notes)}
 
