@@ -353,3 +353,16 @@ def _renamed_arg(arg: Any, name: Optional[str]) -> Any:
     if isinstance(arg, (ConstantArgument, CustomObjArgument)) or name is None or not hasattr(arg, "name"):
         return arg
     return type(arg)(name=name)
+
+
+def written_args(node: Node) -> List[Any]:
+    """The arguments ``node`` writes in place (schema ``alias_info.is_write``): export IR keeps in-place ops,
+    and ``buffers_to_mutate`` fills only after functionalisation."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    written = []
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            written.append(node.kwargs.get(a.name, node.args[i] if i < len(node.args) else None))
+    return written

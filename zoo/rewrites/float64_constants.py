@@ -1,0 +1,146 @@
+"""split_float64_constants: float64 constants are stored as float32 (hi, lo) pairs and rebuilt in the graph.
+
+    stored   s = stack(hi, lo)           hi = float32(c),  lo = float32(c - float64(hi))      (float32 [2, ...])
+    graph    c' = float64(s[0]) + float64(s[1])                   |c' - c| <= 2^-48 |c|  (about 3.6e-15 |c|)
+
+Why: ExecuTorch CUDA runtimes up to 1.5 have no float64 dtype, so an artifact that *stores* a float64 tensor
+fails at load time, while float64 arithmetic inside a fused kernel is fine. LingBot-VA's rope keeps its base
+frequencies as float64 attributes, and complex128 rope tables become float64 pairs: after the complex
+rewrite these constants are what stops the artifact loading. The rebuild is pointwise on constants, so
+Inductor fuses it into the kernels that read them and no float64 buffer is stored (the runtime audit checks
+what the compiled .so really needs).
+
+Applies to parameters, buffers and lifted constants of dtype float64 that the program does not mutate and
+that are not program outputs. A float64 buffer the program mutates declines the whole program (its stored
+state would have to stay float64); the program is then returned exactly as it was.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Dict, List, Tuple
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+from torch.fx import Graph, Node
+
+from ..errors import ExportError
+from ._graph import fake_mode_of, rebuild_program, set_value, state_location, written_args
+from .result import RewriteResult, source_line
+
+NAME = "split_float64_constants"
+_aten = torch.ops.aten
+
+
+def split_pair(c: torch.Tensor) -> torch.Tensor:
+    """float64 ``c`` -> float32 ``[2, *c.shape]`` whose float64 sum is ``c`` to 2^-48 relative."""
+    hi = c.to(torch.float32)
+    lo = (c - hi.to(torch.float64)).to(torch.float32)
+    return torch.stack((hi, lo))
+
+
+# --- matching -------------------------------------------------------------------------------------------------
+
+
+def find_float64_state(ep: ExportedProgram) -> Tuple[List[Tuple[int, str, str]], str]:
+    """(index of the input, target name, where it is stored) of every float64 state tensor to split, and a
+    reason to decline ("" when none)."""
+    sig = ep.graph_signature
+    mutated = set(sig.buffers_to_mutate.values())
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    outputs = {a for a in ep.graph.output_node().args[0] if isinstance(a, Node)}
+    found = []
+    for index, (spec, node) in enumerate(zip(sig.input_specs, placeholders)):
+        where = state_location(spec)
+        if where is None or spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            continue
+        table = ep.state_dict if where == "state_dict" else ep.constants
+        value = table.get(spec.target)
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float64:
+            continue
+        writer = next((u for u in node.users if node in written_args(u)), None)
+        if spec.target in mutated or writer is not None:
+            where_written = source_line(writer) if writer is not None else _first_use(node)
+            return [], (f"float64 buffer {spec.target!r} is mutated by the program (at {where_written}): "
+                        "its stored state must stay float64")
+        if node in outputs:
+            return [], f"float64 state {spec.target!r} is returned as a program output"
+        found.append((index, spec.target, where))
+    return found, ""
+
+
+def _first_use(node: Node) -> str:
+    users = list(node.users)
+    return source_line(users[0]) if users else f"node {node.name}"
+
+
+# --- rewriting ------------------------------------------------------------------------------------------------
+
+
+def split_float64_constants(ep: ExportedProgram) -> RewriteResult:
+    if not isinstance(ep, ExportedProgram):
+        raise ExportError(f"{NAME} takes a torch.export ExportedProgram, got {type(ep).__name__}",
+                          "pass the program torch.export.export returned")
+    found, reason = find_float64_state(ep)
+    if reason:
+        return RewriteResult.decline(NAME, ep, reason)
+    if not found:
+        return RewriteResult.unchanged(NAME, ep)
+    try:
+        program = _rewrite(ep, found)
+    except Exception as exc:  # a rewrite that fails half way must not leave a half-changed program
+        return RewriteResult.decline(NAME, ep, f"rebuilding float64 constants failed: {exc}")
+    counts = Counter({"float64 constant": len(found)})
+    notes = [f"{target}: stored as float32 (hi, lo), rebuilt in float64 in the graph" for _, target, _ in found]
+    return RewriteResult.rewritten(NAME, program, counts, notes)
+
+
+def _rewrite(ep: ExportedProgram, found: List[Tuple[int, str, str]]) -> ExportedProgram:
+    fake_mode = fake_mode_of(ep)
+    by_index = {index: (target, where) for index, target, where in found}
+    graph = Graph()
+    env: Dict[Node, Node] = {}
+    old_placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    state_dict, constants = dict(ep.state_dict), dict(ep.constants)
+    rebuilt_from: Dict[Node, Node] = {}
+    for index, old in enumerate(old_placeholders):
+        new = graph.placeholder(old.name)
+        new.meta.update({k: v for k, v in old.meta.items() if k != "val"})
+        if index in by_index:
+            target, where = by_index[index]
+            table = state_dict if where == "state_dict" else constants
+            pair = split_pair(table[target].detach())
+            table[target] = torch.nn.Parameter(pair, requires_grad=False) if isinstance(
+                table[target], torch.nn.Parameter) else pair
+            with fake_mode:
+                set_value(new, fake_mode.from_tensor(pair, static_shapes=True))
+            rebuilt_from[new] = old
+        else:
+            new.meta["val"] = old.meta.get("val")
+        env[old] = new
+    # c' = float64(s[0]) + float64(s[1]), built once per constant right after the placeholders.
+    for new, old in rebuilt_from.items():
+        parts = []
+        for i, half in enumerate(("hi", "lo")):
+            part = _call(graph, fake_mode, f"{old.name}_{half}", _aten.select.int, (new, 0, i))
+            parts.append(_call(graph, fake_mode, f"{old.name}_{half}_f64", _aten._to_copy.default, (part,),
+                               {"dtype": torch.float64}))
+        rebuilt = _call(graph, fake_mode, f"{old.name}_f64", _aten.add.Tensor, tuple(parts))
+        rebuilt.meta["stack_trace"] = old.meta.get("stack_trace")
+        env[old] = rebuilt
+    for old in ep.graph.nodes:
+        if old.op == "placeholder":
+            continue
+        env[old] = graph.node_copy(old, lambda n: env[n])
+    graph.lint()
+    return rebuild_program(ep, graph, state_dict=state_dict, constants=constants, renamed={})
+
+
+def _call(graph: Graph, fake_mode, name: str, target, args: tuple, kwargs: dict = None) -> Node:
+    kwargs = kwargs or {}
+    node = graph.create_node("call_function", target, args, kwargs, name=name)
+    vals = [a.meta["val"] if isinstance(a, Node) else a for a in args]
+    with fake_mode:
+        set_value(node, target(*vals, **kwargs))
+    return node
