@@ -904,8 +904,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .bench_rotary import DEFAULT_CASES, parse_case, run_rotary
 
         cases_r = [parse_case(text) for text in args.rotary_shape] or list(DEFAULT_CASES)
-        result.update(run_rotary(device, runs=args.runs, warmup=args.warmup, cases=cases_r,
-                                 compile=not args.no_compile))
+        # The method timings above stand on their own: a rotary failure is recorded, not allowed to lose them.
+        write_results(result, args.json or run_dir / BENCH_JSON, args.markdown or run_dir / BENCH_MD)
+        try:
+            result.update(run_rotary(device, runs=args.runs, warmup=args.warmup, cases=cases_r,
+                                     compile=not args.no_compile))
+        except Exception as exc:  # noqa: BLE001 - reported in the results and on stderr
+            result["rotary_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            print(f"[zoo] rotary benchmark failed: {result['rotary_error']}", file=sys.stderr)
     write_results(result, args.json or run_dir / BENCH_JSON, args.markdown or run_dir / BENCH_MD)
     print(render(result, markdown=False))
     return 0

@@ -105,6 +105,9 @@ def bench_case(case: RotaryCase, device: str, runs: int, warmup: int, copy_gbps:
     module = ComplexRope(angle_table(length, d))
     example = torch.randn(case.shape).to(dtype)
     program = rewritten_rope(module, example)
+    if torch.device(device).type == "cuda" and torch.device(device).index is None:
+        # The moved program asserts its tensors' device exactly: "cuda" != "cuda:0" (seen on an H200).
+        device = f"cuda:{torch.cuda.current_device()}"
     if torch.device(device).type != "cpu":
         program = move_to_device_pass(program, device)
     pairs = program.module()
