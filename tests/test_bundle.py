@@ -116,3 +116,38 @@ def test_platform_tags_cover_older_glibc_and_legacy_aliases():
     assert "manylinux2014_aarch64" in arm and "manylinux1_aarch64" not in arm
     with pytest.raises(BundleError):
         platform_tags("win_amd64")
+
+
+def test_bundle_hub_cache_loads_offline_through_the_real_pull(local_index, tmp_path):
+    """A bundle with llama-rope-tiny's checkpoint: its cache is huggingface_hub's layout, the manifest lists
+    each file with its hash, and with HF_HUB_OFFLINE=1 the real pull code finds the checkpoint there."""
+    from zoo import hub
+    from zoo.hub_cache import hub_environment
+    from zoo.policies import llama
+    from zoo.recipes import load_recipe
+
+    out = tmp_path / "bundle"
+    manifest = build_bundle(out, recipes=["llama-rope-tiny"], python="3.12", weights=True,
+                            requirements=["zoofix-dep"], find_links=[str(local_index)], no_index=True, sdist_only={})
+    (entry,) = manifest.hub
+    assert entry["repo_id"] == "zoo-tiny/llama-rope-tiny" and len(entry["commit"]) == 40
+    repo = out / "hub" / "models--zoo-tiny--llama-rope-tiny"
+    assert (repo / "refs" / "main").read_text() == entry["commit"]
+    names = {Path(f["file"]).name for f in entry["files"]}
+    assert {"config.json", "model.safetensors"} <= names
+    for record in entry["files"]:
+        assert record["sha256"] == sha256(out / record["file"])
+
+    # Pulled as a plain Hub checkpoint (not fabricated), offline, from the bundle's cache only.
+    recipe = load_recipe("llama-rope-tiny", ["source.fabricate=false"])
+    with hub_environment(out / "hub", offline=True):
+        checkpoint = hub.pull(recipe)
+        unit = llama.build_unit(checkpoint.path, recipe)
+    assert checkpoint.commit == entry["commit"] and checkpoint.offline
+    assert checkpoint.path == repo / "snapshots" / entry["commit"]
+    assert list(unit.methods) == ["forward"]
+    # ...and the same pull against an empty cache is refused, naming the repo and what to do.
+    from zoo.errors import PullError
+
+    with hub_environment(tmp_path / "empty-cache", offline=True), pytest.raises(PullError, match="llama-rope-tiny"):
+        hub.pull(recipe)

@@ -10,13 +10,9 @@ from torch import nn
 from torch.export import ExportedProgram, export
 from torch.export.graph_signature import OutputKind, OutputSpec
 
-from executorch.backends.aoti.aoti_partitioner import AotiPartitioner
-from executorch.backends.aoti.passes.replace_view_copy_with_view import ReplaceViewCopyWithViewPass
-from executorch.backends.cuda.cuda_backend import CudaBackend
-from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
-from executorch.exir.backend.backend_details import BackendDetails, PreprocessResult
 
 from zoo.errors import ZooError
+from inductor_probe import inductor_input
 from zoo.rewrites import replace_detach_with_alias
 
 aten = torch.ops.aten
@@ -24,28 +20,6 @@ aten = torch.ops.aten
 
 def targets(ep):
     return [n.target for n in ep.graph.nodes if n.op == "call_function"]
-
-
-_CAPTURED = []
-
-
-class ZooDetachProbe(BackendDetails):
-    """Stands in for the CUDA backend: records what its preprocess would hand to aot_compile."""
-
-    @staticmethod
-    def preprocess(edge_program, compile_specs):
-        ep = copy.deepcopy(edge_program)
-        ReplaceViewCopyWithViewPass()(ep.graph_module)
-        _CAPTURED.append(ep.run_decompositions(CudaBackend.get_decomposition_table()))
-        return PreprocessResult(processed_bytes=b"", debug_handle_map={})
-
-
-def inductor_input(ep):
-    """What AOTInductor would compile under the CUDA backend's partitioner (see test_view_copies)."""
-    _CAPTURED.clear()
-    to_edge_transform_and_lower(copy.deepcopy(ep), partitioner=[AotiPartitioner("ZooDetachProbe", [])],
-                                compile_config=EdgeCompileConfig(_check_ir_validity=False))
-    return _CAPTURED[0]
 
 
 def is_fallback(op) -> bool:

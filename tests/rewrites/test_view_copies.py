@@ -10,19 +10,14 @@ Inductor decomposition and no composite implementation becomes an ATen fallback 
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 from torch import nn
 from torch.export import Dim, export
 
-from executorch.backends.aoti.aoti_partitioner import AotiPartitioner
-from executorch.backends.aoti.passes.replace_view_copy_with_view import ReplaceViewCopyWithViewPass
-from executorch.backends.cuda.cuda_backend import CudaBackend
-from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
-from executorch.exir.backend.backend_details import BackendDetails, PreprocessResult
 
+from inductor_probe import inductor_input
 from zoo.rewrites import replace_view_copies
 
 aten = torch.ops.aten
@@ -36,32 +31,6 @@ def export_ng(module, args, dynamic_shapes=None):
 
 def targets(ep):
     return [n.target for n in ep.graph.nodes if n.op == "call_function"]
-
-
-# ------------------------------------------------------------------ what the CUDA backend would compile
-
-_CAPTURED = []
-
-
-class ZooViewCopyProbe(BackendDetails):
-    """Stands in for the CUDA backend (executorch finds a backend by class name): records what its
-    preprocess would hand to aot_compile."""
-
-    @staticmethod
-    def preprocess(edge_program, compile_specs):
-        ep = copy.deepcopy(edge_program)
-        ReplaceViewCopyWithViewPass()(ep.graph_module)
-        _CAPTURED.append(ep.run_decompositions(CudaBackend.get_decomposition_table()))
-        return PreprocessResult(processed_bytes=b"", debug_handle_map={})
-
-
-def inductor_input(ep):
-    """The program AOTInductor would compile for ``ep`` under the CUDA backend's partitioner."""
-    _CAPTURED.clear()
-    to_edge_transform_and_lower(copy.deepcopy(ep), partitioner=[AotiPartitioner("ZooViewCopyProbe", [])],
-                                compile_config=EdgeCompileConfig(_check_ir_validity=False))
-    (captured,) = _CAPTURED
-    return captured
 
 
 def fallback_ops(ep):
