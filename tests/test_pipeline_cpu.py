@@ -9,11 +9,12 @@ import json
 from pathlib import Path
 
 import pytest
+
 import torch
 
 from zoo import exporting, pipeline
 from zoo.cpu_check import BufferState, _judge, check_cases, cpu_check
-from zoo.errors import RewriteDeclined, VerificationFailed, ZooError
+from zoo.errors import LoweringError, RewriteDeclined, VerificationFailed, ZooError
 from zoo.recipes import Tolerance
 
 from conftest import ToyFamily, ToyPool, ToyRead, ToyRope, ToyWrite
@@ -236,6 +237,17 @@ def test_float32_judgement_uses_float32_tolerance():
 # Whole runs
 
 
+def test_kernel_preflight_runs_without_a_gpu_and_fails_the_run_early(test_recipe, toy_family, tmp_path):
+    # float32 attention with executorch 1.2.0's Triton SDPA would fail on the GPU after compiling: the CPU run
+    # says so now, naming the kernel and the setting to change.
+    recipe = test_recipe("toy-rope", "lowering.triton_kernel_mode=ON")
+    with pytest.raises(LoweringError, match="triton::sdpa.*triton_kernel_mode=OFF"):
+        pipeline.run_pipeline(recipe, tmp_path / "runs" / "toy-rope")
+    data = json.loads((tmp_path / "runs" / "toy-rope" / "report.json").read_text())
+    assert data["status"] == "failed" and {s["stage"]: s["status"] for s in data["stages"]}["preflight"] == "failed"
+    assert not (tmp_path / "runs" / "toy-rope" / "model.pte").exists()
+
+
 def test_run_folder_of_a_tiny_recipe(test_recipe, toy_family, tmp_path):
     pytest.importorskip("zoo.rewrites.complex_to_real")
     # load_aux: the toy policy loads a second repo by Hub id while it is built, served from the tiny cache.
@@ -252,8 +264,8 @@ def test_run_folder_of_a_tiny_recipe(test_recipe, toy_family, tmp_path):
     assert data["status"] == "done"
     stages = {s["stage"]: s["status"] for s in data["stages"]}
     assert stages == {"fabricate": "done", "pull": "done", "build": "done", "export": "done", "rewrite": "done",
-                      "cpu_check": "done", "save": "done", "lower": "skipped", "audit": "skipped",
-                      "verify": "skipped"}
+                      "cpu_check": "done", "save": "done", "preflight": "done", "lower": "skipped",
+                      "audit": "skipped", "verify": "skipped"}
     assert data["skipped"]["later"] == f"python -m zoo.lower {run.resolve()}"
     assert data["cpu_check"]["passed"] and data["cpu_check"]["compared"] == 8
 

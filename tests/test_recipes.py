@@ -231,3 +231,9 @@ def test_variant_names_load_by_name(tmp_path):
     with pytest.raises(RecipeError) as err:
         load_recipe("lingbot-va.libero", recipes_dir=tmp_path)
     assert "lingbot-va.libero-long" in err.value.hint
+
+
+@pytest.mark.parametrize("typed, meant", [("ON", "ON"), ("OFF", "OFF"), ("on", "ON"), ("'OFF'", "OFF")])
+def test_triton_kernel_mode_override_means_what_was_typed(typed, meant):
+    # YAML 1.1 turns an unquoted ON/OFF into a boolean; the recipe keeps the word the user typed.
+    assert load_recipe("llama-rope-tiny", [f"lowering.triton_kernel_mode={typed}"]).lowering.triton_kernel_mode == meant

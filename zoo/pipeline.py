@@ -25,7 +25,7 @@ from torch.export import ExportedProgram
 
 from . import atomic, exporting, hub
 from .cpu_check import cpu_check, summary_detail
-from .errors import ExportError, RewriteDeclined, ZooError
+from .errors import ExportError, NoGpuError, RewriteDeclined, ZooError
 from .policies.base import ExportUnit
 from .progress import say
 from .report import REPORT_JSON, REPORT_MD, RunReport
@@ -207,27 +207,36 @@ def save_step(programs: Dict[str, ExportedProgram], recipe, run_dir: Path, repor
 
 
 def gpu_steps(run_dir: Path, recipe, report: RunReport, shown_dir: Optional[Path] = None) -> None:
-    """Lower, audit and verify the saved rewritten programs of ``run_dir`` on a CUDA machine.
+    """Preflight, lower, audit and verify the saved rewritten programs of ``run_dir``.
 
     They are ``zoo.lower.lower_run``, the very steps ``python -m zoo.lower RUN_DIR`` runs on a saved run (it reads
     the run folder's recipe.yaml, which is ``recipe`` resolved), so a run lowered now and one lowered later
-    on another machine go through one implementation. ``shown_dir`` is the folder to name in messages when
-    ``run_dir`` is a staging folder.
+    on another machine go through one implementation. Without a CUDA device the kernel preflight still runs
+    (it needs none, and it tells now whether lowering would fail), and the other three are skipped.
+    ``shown_dir`` is the folder to name in messages when ``run_dir`` is a staging folder.
     """
     shown = shown_dir or run_dir
-    if not torch.cuda.is_available():
+    lower = _import("zoo.lower", "lowering")
+    if torch.cuda.is_available():
+        say(f"lowering, auditing and verifying on {torch.cuda.get_device_name()} ...")
+    report.write()  # lower_run continues the report the folder holds
+    try:
+        lower.lower_run(run_dir)
+    except NoGpuError:
+        # lower_run recorded the preflight and marked the run failed for want of a GPU: on this machine that is
+        # the expected end of the run, so the three GPU stages are recorded as skipped instead.
+        report.data = RunReport.load(run_dir).data
+        report.data.pop("error", None)
+        report.record("status", "running")  # run_pipeline marks the finished CPU run done
         for stage in GPU_STAGES:
             report.stage(stage, "skipped", detail=NO_GPU_DETAIL)
         report.record("skipped", {"stages": list(GPU_STAGES), "reason": "no CUDA device",
                                   "later": f"python -m zoo.lower {shown}"})
         return
-    lower = _import("zoo.lower", "lowering")
-    say(f"lowering, auditing and verifying on {torch.cuda.get_device_name()} ...")
-    report.write()  # lower_run continues the report the folder holds
-    try:
-        lower.lower_run(run_dir)
-    finally:
-        report.data = RunReport.load(run_dir).data
+    except BaseException:
+        report.data = RunReport.load(run_dir).data  # lower_run wrote what failed
+        raise
+    report.data = RunReport.load(run_dir).data
 
 
 # --------------------------------------------------------------------------------------------------------

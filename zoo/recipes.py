@@ -129,6 +129,10 @@ class Recipe:
         need(self.family in FAMILIES, "family", self.family, FAMILIES)
         need(self.unit.dtype in DTYPES, "unit.dtype", self.unit.dtype, DTYPES)
         need(self.rotary_pairs in PAIR_DTYPES, "rotary_pairs", self.rotary_pairs, PAIR_DTYPES)
+        # YAML 1.1 reads an unquoted ON/OFF (also on the command line: triton_kernel_mode=ON) as a boolean,
+        # which omegaconf then stores as "True"/"False": take those to mean what was typed.
+        self.lowering.triton_kernel_mode = {"true": "ON", "false": "OFF", "on": "ON", "off": "OFF"}.get(
+            str(self.lowering.triton_kernel_mode).lower(), self.lowering.triton_kernel_mode)
         need(self.lowering.triton_kernel_mode in ("ON", "OFF"), "lowering.triton_kernel_mode",
              self.lowering.triton_kernel_mode, ("ON", "OFF"))
         need(self.lowering.kv_pool in ("buffer", "io"), "lowering.kv_pool", self.lowering.kv_pool, ("buffer", "io"))

@@ -307,35 +307,17 @@ def verify_artifact(run_dir: Path, recipe, *, device: Optional[str] = None,
         return rows
 
     orders = {m: load_io_order(run_dir, m) for m in methods}
-    # The bytes that ship: each method's .so and weights are taken out of model.pte / aoti_cuda_blob.ptd as they
-    # are on disk now (not the copies lowering left in so/), so a swapped or edited file is what gets run.
     pte, ptd = run_dir / PTE_NAME, run_dir / PTD_NAME
     if not pte.exists():
         raise VerificationFailed(f"{pte} is missing", "lower the run first (`python -m zoo.lower RUN_DIR`)")
-    shipped_dir = Path(tempfile.mkdtemp(prefix=".verify.tmp-", dir=run_dir))
-    try:
-        return _verify_shipped(run_dir, recipe, pte, ptd, shipped_dir, methods, factory, device, orders, run_all,
-                               raise_on_failure, try_executorch, start)
-    finally:
-        shutil.rmtree(shipped_dir, ignore_errors=True)
+    with shipped_runners(pte, ptd, methods, factory, device) as runners:
 
+        def call_so(m: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
+            order = orders[m]
+            outs = runners[m].run([inputs[i] for i in order["input_order"]])
+            return [outs[j] for j in order["output_order"]]
 
-def _verify_shipped(run_dir, recipe, pte, ptd, shipped_dir, methods, factory, device, orders, run_all,
-                    raise_on_failure, try_executorch, start) -> VerificationResult:
-    shipped = extract_method_files(pte, ptd if ptd.exists() else None, shipped_dir)
-    runners = {}
-    for m in methods:
-        if m not in shipped:
-            raise VerificationFailed(f"{pte} holds no compiled .so for method {m!r}",
-                                     "lower the run again (`python -m zoo.lower RUN_DIR`)")
-        runners[m] = factory(m, shipped[m]["so"], shipped[m]["weights"], device)
-
-    def call_so(m: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
-        order = orders[m]
-        outs = runners[m].run([inputs[i] for i in order["input_order"]])
-        return [outs[j] for j in order["output_order"]]
-
-    rows = run_all("aoti", call_so)
+        rows = run_all("aoti", call_so)
     status, et_call = executorch_runtime(run_dir, device) if try_executorch else ("ExecuTorch runtime: not tried", None)
     if et_call is not None:
         rows += run_all("executorch", et_call)
@@ -352,6 +334,26 @@ def _verify_shipped(run_dir, recipe, pte, ptd, shipped_dir, methods, factory, de
         exc.result = result  # type: ignore[attr-defined]
         raise exc
     return result
+
+
+@contextlib.contextmanager
+def shipped_runners(pte: Path, ptd: Path, methods: Sequence[str], factory: RunnerFactory,
+                    device: str) -> Iterator[Dict[str, Any]]:
+    """A runner per method over the bytes that ship: each method's .so and weights taken out of model.pte /
+    aoti_cuda_blob.ptd as they are on disk now (not the copies lowering left in so/), so a swapped or edited
+    file is what gets run. The extracted files live only while the runners are in use."""
+    shipped_dir = Path(tempfile.mkdtemp(prefix=".verify.tmp-", dir=pte.parent))
+    try:
+        shipped = extract_method_files(pte, ptd if ptd.exists() else None, shipped_dir)
+        runners = {}
+        for m in methods:
+            if m not in shipped:
+                raise VerificationFailed(f"{pte} holds no compiled .so for method {m!r}",
+                                         "lower the run again (`python -m zoo.lower RUN_DIR`)")
+            runners[m] = factory(m, shipped[m]["so"], shipped[m]["weights"], device)
+        yield runners
+    finally:
+        shutil.rmtree(shipped_dir, ignore_errors=True)
 
 
 def executorch_runtime(run_dir: Path, device: str) -> Tuple[str, Optional[Callable]]:
