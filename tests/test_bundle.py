@@ -19,7 +19,7 @@ from zoo.bundle import build_bundle, leave_out, parse_have, platform_tags, Resol
 def make_wheel(folder: Path, name: str, version: str, requires=()) -> Path:
     dist = f"{name.replace('-', '_')}-{version}"
     path = folder / f"{dist}-py3-none-any.whl"
-    meta = [f"Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
+    meta = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}"]
     meta += [f"Requires-Dist: {r}" for r in requires]
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr(f"{name.replace('-', '_')}/__init__.py", f"VERSION = {version!r}\n")

@@ -91,7 +91,7 @@ def _load(command: str) -> Callable[..., int]:
     except ModuleNotFoundError as exc:
         if exc.name != module_name:  # the command exists but one of its own imports is missing
             raise ZooError(f"`python -m zoo {command}` needs the package {exc.name}, which is not installed",
-                           f"install it, or use zoo's offline bundle (`python -m zoo bundle`)") from exc
+                           "install it, or use zoo's offline bundle (`python -m zoo bundle`)") from exc
         raise ZooError(f"`python -m zoo {command}` is not available in this zoo installation "
                        f"({module_name} is missing)", "update zoo") from exc
     return getattr(module, func_name)

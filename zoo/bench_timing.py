@@ -1,0 +1,150 @@
+"""Timing for zoo's benchmarks: order statistics, a CPU and a CUDA-event timer, and ``measure``.
+
+``measure`` excludes warm-up calls and rotates through a list of distinct inputs, so a call never finds its
+inputs already in a cache. Plain Python and torch: tested on the CPU with known sleeps and known work.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+
+# ------------------------------------------------------------------------------------------------------
+# Statistics
+
+
+@dataclass
+class Stats:
+    """Summary of per-call times in milliseconds. p10/p90 interpolate linearly between order statistics."""
+
+    median: float
+    p10: float
+    p90: float
+    mean: float
+    stdev: float  # sample standard deviation; 0 for a single sample
+    n: int
+
+    @classmethod
+    def from_samples(cls, samples_ms: Sequence[float]) -> "Stats":
+        values = sorted(float(v) for v in samples_ms)
+        if not values:
+            raise ValueError("no samples to summarise")
+        return cls(median=percentile(values, 0.5), p10=percentile(values, 0.1), p90=percentile(values, 0.9),
+                   mean=statistics.fmean(values), stdev=statistics.stdev(values) if len(values) > 1 else 0.0,
+                   n=len(values))
+
+    def as_dict(self) -> Dict[str, float]:
+        return asdict(self)
+
+    def spread(self) -> float:
+        """(p90 - p10) / median: how noisy the measurement was."""
+        return (self.p90 - self.p10) / self.median if self.median > 0 else math.inf
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The q-quantile of sorted values, interpolating linearly (numpy's default method)."""
+    if not sorted_values:
+        raise ValueError("percentile of no values")
+    pos = (len(sorted_values) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Timers
+
+
+class PerfCounterTimer:
+    """Wall-clock time of each call on the host (CPU work, or anything that returns when it is done)."""
+
+    name = "perf_counter"
+
+    def start(self) -> Any:
+        return time.perf_counter()
+
+    def stop(self, token: Any) -> Any:
+        return (token, time.perf_counter())
+
+    def sync(self) -> None:
+        pass
+
+    def elapsed_ms(self, marks: Sequence[Any]) -> List[float]:
+        return [(end - begin) * 1e3 for begin, end in marks]
+
+
+class CudaEventTimer:
+    """Device time of each call between two CUDA events, read once after the last call.
+
+    ``idle_start=True`` (latency): each call starts on an idle device, so the time includes launching the
+    work, as a caller waiting for one result sees it, instead of hiding it behind a queue of earlier calls.
+    ``idle_start=False`` (throughput): calls are queued back to back and the events bracket the device work
+    alone; a bandwidth measurement of a short kernel wants this.
+    """
+
+    name = "cuda_events"
+
+    def __init__(self, device: Optional[torch.device] = None, idle_start: bool = True):
+        self.device = device
+        self.idle_start = idle_start
+        if not idle_start:
+            self.name = "cuda_events_back_to_back"
+
+    def start(self) -> Any:
+        if self.idle_start:
+            torch.cuda.synchronize(self.device)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, token: Any) -> Any:
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        return (token, end)
+
+    def sync(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def elapsed_ms(self, marks: Sequence[Any]) -> List[float]:
+        self.sync()
+        return [begin.elapsed_time(end) for begin, end in marks]
+
+
+def timer_for(device: str, idle_start: bool = True):
+    """CUDA events on a GPU (see ``CudaEventTimer`` for ``idle_start``), the host clock on the CPU."""
+    if torch.device(device).type == "cuda":
+        return CudaEventTimer(torch.device(device), idle_start)
+    return PerfCounterTimer()
+
+
+def measure(fn: Callable[[Any], Any], inputs_list: Sequence[Any], warmup: int, runs: int, timer,
+            on_warm: Optional[Callable[[], None]] = None) -> Stats:
+    """Time ``runs`` calls of ``fn`` after ``warmup`` untimed ones; call k gets ``inputs_list[k % len]``.
+
+    Warm-up and timed calls each walk the input list from its start, so with ``runs`` a multiple of its
+    length every input set is timed equally often. ``on_warm`` runs between the two phases (e.g. to reset
+    the peak-memory counter so it covers only timed calls).
+    """
+    if runs < 1 or warmup < 0:
+        raise ValueError(f"runs must be >= 1 and warmup >= 0 (got runs={runs}, warmup={warmup})")
+    if not inputs_list:
+        raise ValueError("measure needs at least one input set")
+    count = len(inputs_list)
+    for k in range(warmup):
+        fn(inputs_list[k % count])
+    timer.sync()
+    if on_warm is not None:
+        on_warm()
+    marks = []
+    for k in range(runs):
+        item = inputs_list[k % count]
+        token = timer.start()
+        fn(item)
+        marks.append(timer.stop(token))
+    return Stats.from_samples(timer.elapsed_ms(marks))
