@@ -470,7 +470,7 @@ def test_real_recipe_and_fabrication_needs(tmp_path):
     real = load_recipe("fast-wam")
     opts = fast_wam.parse_options(real)
     assert opts.layout == "split" and real.unit.dtype == "bfloat16" and real.lowering.triton_kernel_mode == "OFF"
-    assert real.rewrites == ["inline_autocast_regions", "replace_complex_with_real", "split_float64_constants",
+    assert real.rewrites == ["inline_autocast_regions", "replace_complex_with_real", "narrow_float64",
                              "replace_view_copies", "make_outputs_safe"]
     with pytest.raises(RecipeError, match="fabricate_config"):
         fast_wam.fabricate_checkpoint(real, tmp_path)

@@ -195,7 +195,11 @@ def test_real_recipe_states_the_sizes_of_its_policy_config_and_the_tiny_one_keep
             "frame_chunk_size", "action_per_frame")
     real_config, tiny_config = real.unit.options["policy_config"], tiny.unit.options["policy_config"]
     assert {k: real_config[k] for k in same} == {k: tiny_config[k] for k in same}
-    assert real.rewrites == tiny.rewrites and real.unit.methods == tiny.unit.methods
+    # The same rewrites but for the float64 treatment: float32 pairs narrow all float64 math, float64 pairs
+    # keep it and only split the float64 constants.
+    assert real.rotary_pairs == "float32" and tiny.rotary_pairs == "float64"
+    swap = {"split_float64_constants": "narrow_float64"}
+    assert real.rewrites == [swap.get(r, r) for r in tiny.rewrites] and real.unit.methods == tiny.unit.methods
     assert real.lowering.kv_pool == tiny.lowering.kv_pool == "io"
     assert tiny.lowering.triton_kernel_mode == "OFF" and tiny.source.fabricate
 

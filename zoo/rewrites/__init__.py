@@ -15,6 +15,7 @@ from .result import RewriteResult
 _MODULES: Dict[str, str] = {
     "inline_autocast_regions": "autocast_regions",
     "replace_complex_with_real": "complex_to_real",
+    "narrow_float64": "narrow_float64",
     "split_float64_constants": "float64_constants",
     "replace_fused_sdpa_with_sdpa": "fused_sdpa",
     "replace_detach_with_alias": "detach",
@@ -23,8 +24,9 @@ _MODULES: Dict[str, str] = {
 }
 
 # The order the pipeline applies them in: autocast regions are inlined first so that the complex rewrite
-# sees the rope ops they hide; float64 constants are split after the complex rewrite has turned complex128
-# tables into float64 pairs; outputs are made safe last, after every other rewrite has settled them.
+# sees the rope ops they hide; float64 is narrowed (float32 pairs) or its constants split (float64 pairs)
+# after the complex rewrite has turned complex128 into real pairs; outputs are made safe last, after every
+# other rewrite has settled them.
 DEFAULT_ORDER: List[str] = list(_MODULES)
 
 

@@ -1,0 +1,156 @@
+"""narrow_float64: every float64 value inside the program is computed in float32 instead.
+
+    float64 state c          ->  stored as float32(c)
+    op(..., dtype=float64)   ->  op(..., dtype=float32)         (casts, factories, metadata asserts)
+    any other op             ->  the same op, its values recomputed from the narrowed inputs
+
+The opt-in companion of ``rotary_pairs: float32``. ExecuTorch CUDA runtimes up to 1.5 have no float64 dtype;
+complex128 rope made into float32 pairs still leaves the real float64 math around it (LingBot-VA casts q and k
+to float64 before its complex128 rotation, and builds its rope angles from float64 base frequencies), and
+Inductor may store any of those values as a float64 buffer, which the runtime cannot load. After this rewrite
+no node, constant or buffer holds a float64 value, so the compiled program cannot need one. It changes results
+by float32 rounding (about 1e-7 relative); verification measures that against the float64 source.
+
+Declines, leaving the program exactly as given: a float64 program input or output the user sees (narrowing
+would change the method's signature), a float64 buffer the program mutates, float64 values inside a
+higher-order op's sub-graph.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Dict, Optional
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+from torch.fx import Node
+
+from ..errors import ExportError
+from ._graph import (GraphBuilder, fake_mode_of, graph_modules_under, hop_bodies, is_hop, op_name, rebuild_program,
+                     set_value, state_location, written_args)
+from .result import RewriteResult, source_line
+
+NAME = "narrow_float64"
+F64, F32 = torch.float64, torch.float32
+
+
+def _is_f64(val: Any) -> bool:
+    return isinstance(val, torch.Tensor) and val.dtype == F64
+
+
+def _narrowed(arg: Any) -> Any:
+    """Arguments with every float64 dtype made float32 (lists and tuples included)."""
+    if arg is F64:
+        return F32
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_narrowed(a) for a in arg)
+    return arg
+
+
+# --- matching -------------------------------------------------------------------------------------------------
+
+
+def find_reason_to_decline(ep: ExportedProgram) -> Optional[str]:
+    sig = ep.graph_signature
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    mutated = set(sig.buffers_to_mutate.values())
+    for spec, node in zip(sig.input_specs, placeholders):
+        if not _is_f64(node.meta.get("val")):
+            continue
+        if spec.kind == InputKind.USER_INPUT:
+            return f"program input {node.name!r} is float64: narrowing it would change the method's signature"
+        writer = next((u for u in node.users if node in written_args(u)), None)
+        if spec.target in mutated or writer is not None:
+            where = source_line(writer) if writer is not None else f"node {node.name}"
+            return f"float64 buffer {spec.target!r} is mutated by the program (at {where})"
+    for out in ep.graph.output_node().args[0]:
+        if isinstance(out, Node) and _is_f64(out.meta.get("val")):
+            return f"program output {out.name!r} is float64 (at {source_line(out)}): the caller would see float32"
+    for node in ep.graph.nodes:
+        if node.op == "call_function" and is_hop(node):
+            for body in hop_bodies(node, ep.graph_module):
+                for gm in graph_modules_under(body):
+                    if any(_is_f64(n.meta.get("val")) for n in gm.graph.nodes):
+                        return f"float64 values inside {op_name(node.target)} at {source_line(node)}"
+    return None
+
+
+def has_float64(ep: ExportedProgram) -> bool:
+    state = {**ep.state_dict, **ep.constants}
+    return any(_is_f64(n.meta.get("val")) for n in ep.graph.nodes) or any(_is_f64(v) for v in state.values())
+
+
+# --- rewriting ------------------------------------------------------------------------------------------------
+
+
+def narrow_float64(ep: ExportedProgram) -> RewriteResult:
+    if not isinstance(ep, ExportedProgram):
+        raise ExportError(f"{NAME} takes a torch.export ExportedProgram, got {type(ep).__name__}",
+                          "pass the program torch.export.export returned")
+    if not has_float64(ep):
+        return RewriteResult.unchanged(NAME, ep)
+    reason = find_reason_to_decline(ep)
+    if reason:
+        return RewriteResult.decline(NAME, ep, reason)
+    try:
+        program, counts = _rewrite(ep)
+    except Exception as exc:  # a rewrite that fails half way must not leave a half-changed program
+        return RewriteResult.decline(NAME, ep, f"narrowing float64 failed: {type(exc).__name__}: {exc}")
+    return RewriteResult.rewritten(NAME, program, counts)
+
+
+def _rewrite(ep: ExportedProgram):
+    fake_mode = fake_mode_of(ep)
+    builder = GraphBuilder(ep.graph_module, fake_mode)
+    state_dict, constants = dict(ep.state_dict), dict(ep.constants)
+    counts: Counter = Counter()
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    for spec, old in zip(ep.graph_signature.input_specs, placeholders):
+        new = builder.graph.placeholder(old.name)
+        new.meta.update({k: v for k, v in old.meta.items() if k not in ("val", "tensor_meta")})
+        val = old.meta.get("val")
+        if _is_f64(val):
+            where = state_location(spec)
+            table = state_dict if where == "state_dict" else constants
+            narrowed = table[spec.target].detach().to(F32)
+            table[spec.target] = (torch.nn.Parameter(narrowed, requires_grad=False)
+                                  if isinstance(table[spec.target], torch.nn.Parameter) else narrowed)
+            with fake_mode:
+                set_value(new, fake_mode.from_tensor(narrowed, static_shapes=True))
+            counts["float64 state"] += 1
+        else:
+            set_value(new, val)
+        builder.env[old] = new
+    for old in ep.graph.nodes:
+        if old.op == "placeholder":
+            continue
+        if old.op != "call_function":
+            builder.env[old] = builder.graph.node_copy(old, lambda n: builder.env[n])
+            continue
+        new = builder.graph.node_copy(old, lambda n: builder.env[n])
+        if is_hop(old):  # its sub-graphs hold no float64 (matching checked): its values stay what they were
+            builder.env[old] = new
+            continue
+        args, kwargs = _narrowed(new.args), {k: _narrowed(v) for k, v in new.kwargs.items()}
+        if args != new.args or kwargs != new.kwargs:
+            new.args, new.kwargs = args, kwargs
+            counts[op_name(old.target)] += 1
+        for key in ("val", "tensor_meta"):
+            new.meta.pop(key, None)
+        set_value(new, builder.fake_run(old.target, new.args, new.kwargs))
+        if _is_f64(new.meta["val"]):
+            raise RuntimeError(f"{op_name(old.target)} at {source_line(old)} still makes float64")
+        builder.env[old] = new
+    builder.graph.lint()
+    program = rebuild_program(ep, builder.graph, state_dict=state_dict, constants=constants, renamed={})
+    return program, counts
+
+
+def float64_nodes(ep: ExportedProgram) -> Dict[str, int]:
+    """How many nodes of each op hold a float64 value: what a runtime without float64 would trip over."""
+    found: Counter = Counter()
+    for node in ep.graph.nodes:
+        if _is_f64(node.meta.get("val")):
+            found[node.op if node.op != "call_function" else op_name(node.target)] += 1
+    return dict(found)
