@@ -13,7 +13,6 @@ most ``bf16_factor`` times as far from float32 as eager bf16 is, with cosine >= 
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -22,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import VerificationFailed
 from .exporting import example_sizes
-from .numerics import compare, judge
+from .numerics import compare, judge, judge_low_precision
 from .policies.base import ExportUnit
 
 # Verification inputs are drawn from seed + this offset, so they are never the example inputs torch.export
@@ -177,10 +176,8 @@ def _judge(name: str, got: torch.Tensor, eager: torch.Tensor, ref32: Optional[to
         bound = tol.float64 if dtype == "float64" else tol.float32
         return judge(compare(name, got, eager), bound).as_dict()
     # bf16: both eager bf16 and the program are measured against float32; the program may be no further.
-    eager_err = compare(name, eager, ref32)
-    c = compare(name, got, ref32)
-    bound = max(tol.bf16_factor * eager_err.rel_l2, tol.float32) if math.isfinite(eager_err.rel_l2) else 0.0
-    d = judge(c, bound, tol.bf16_min_cosine).as_dict()
+    c, _, eager_err = judge_low_precision(name, got, eager, ref32, tol)
+    d = c.as_dict()
     d["eager_bf16_rel_l2_vs_fp32"] = eager_err.rel_l2
     d["vs_eager_bf16"] = compare(name, got, eager).as_dict()
     return d

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -63,3 +63,21 @@ def judge(c: Comparison, rel_l2_max: float, min_cosine: Optional[float] = None) 
     elif min_cosine is not None and not c.cosine >= min_cosine:
         c.ok, c.why = False, f"cosine {c.cosine:.6f} < {min_cosine}"
     return c
+
+
+def judge_low_precision(name: str, got: torch.Tensor, eager: torch.Tensor, ref32: torch.Tensor,
+                        tolerance) -> Tuple[Comparison, float, Comparison]:
+    """The bf16 rule, for the CPU check and the GPU verification alike: ``got`` and eager low precision are
+    both measured against the float32 reference ``ref32``; ``got`` may be at most ``tolerance.bf16_factor``
+    times as far from it as eager is (never held to less than the float32 tolerance, since eager bf16 can be
+    exact), with cosine >= ``tolerance.bf16_min_cosine``. Returns (comparison, bound, eager's comparison)."""
+    eager_c = compare(name, eager, ref32)
+    c = compare(name, got, ref32)
+    if not eager_c.ok or not math.isfinite(eager_c.rel_l2):
+        c.ok, c.why = False, f"eager low precision is itself unusable against float32 ({eager_c.why or 'non-finite'})"
+        return c, math.nan, eager_c
+    bound = max(tolerance.bf16_factor * eager_c.rel_l2, tolerance.float32)
+    judge(c, bound, tolerance.bf16_min_cosine)
+    if not c.ok:
+        c.why += f" (eager bf16 is {eager_c.rel_l2:.3e} from float32, factor {tolerance.bf16_factor})"
+    return c, bound, eager_c

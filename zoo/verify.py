@@ -185,19 +185,9 @@ def compare_outputs(names: Sequence[str], got: Sequence[torch.Tensor], ref: Sequ
 
 def _judge_low_precision(name: str, got: torch.Tensor, eager: torch.Tensor, ref32: torch.Tensor,
                          tolerance) -> Tuple[numerics.Comparison, float, Dict]:
-    eager_c = numerics.compare(name, eager, ref32)
-    c = numerics.compare(name, got, ref32)
+    c, bound, eager_c = numerics.judge_low_precision(name, got, eager, ref32, tolerance)
     facts = {"reference": "eager float32", "eager_rel_l2": eager_c.rel_l2,
              "vs_eager": numerics.compare(name, got, eager).rel_l2}
-    if not eager_c.ok or not math.isfinite(eager_c.rel_l2):
-        c.ok, c.why = False, f"eager low precision is itself unusable against float32 ({eager_c.why or 'non-finite'})"
-        return c, math.nan, facts
-    # Eager bf16 can be exact against float32 (e.g. outputs that bf16 represents exactly): never demand less
-    # than the float32 tolerance then.
-    bound = max(tolerance.bf16_factor * eager_c.rel_l2, tolerance.float32)
-    numerics.judge(c, bound, tolerance.bf16_min_cosine)
-    if not c.ok:
-        c.why += f" (eager bf16 is {eager_c.rel_l2:.3e} from float32, factor {tolerance.bf16_factor})"
     return c, bound, facts
 
 
