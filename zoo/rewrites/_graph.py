@@ -366,3 +366,16 @@ def written_args(node: Node) -> List[Any]:
         if a.alias_info is not None and a.alias_info.is_write:
             written.append(node.kwargs.get(a.name, node.args[i] if i < len(node.args) else None))
     return written
+
+
+def state_writer(ep: ExportedProgram, spec: InputSpec, node: Node) -> Optional[str]:
+    """Where the program mutates the state input ``spec`` (placeholder ``node``), or None when it does not:
+    a functionalised mutation (``buffers_to_mutate``) or an in-place op of export IR on the placeholder."""
+    from .result import source_line
+
+    writer = next((u for u in node.users if node in written_args(u)), None)
+    if writer is not None:
+        return source_line(writer)
+    if spec.target in set(ep.graph_signature.buffers_to_mutate.values()):
+        return f"node {node.name}"
+    return None

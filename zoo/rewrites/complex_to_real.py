@@ -72,6 +72,7 @@ from ._graph import (
     state_location,
     state_tensor,
     tensors_in,
+    written_args,
 )
 from .result import RewriteResult, source_line
 
@@ -469,13 +470,7 @@ def _check_placeholder(node: Node, spec: InputSpec, mutated: Set[str]) -> Option
 
 def _check_in_place(node: Node, specs: Dict[Node, InputSpec]) -> Optional[str]:
     """Export IR keeps in-place ops (``buffers_to_mutate`` fills only after functionalisation): name the write."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return None
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        written = node.kwargs.get(a.name, node.args[i] if i < len(node.args) else None)
+    for written in written_args(node):
         if not _complex_arg(written):
             continue
         spec = specs.get(written)

@@ -26,8 +26,8 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Graph, Node
 
 from ..errors import ExportError
-from ._graph import fake_mode_of, rebuild_program, set_value, state_location, written_args
-from .result import RewriteResult, source_line
+from ._graph import fake_mode_of, rebuild_program, set_value, state_location, state_writer
+from .result import RewriteResult
 
 NAME = "split_float64_constants"
 _aten = torch.ops.aten
@@ -47,7 +47,6 @@ def find_float64_state(ep: ExportedProgram) -> Tuple[List[Tuple[int, str, str]],
     """(index of the input, target name, where it is stored) of every float64 state tensor to split, and a
     reason to decline ("" when none)."""
     sig = ep.graph_signature
-    mutated = set(sig.buffers_to_mutate.values())
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     outputs = {a for a in ep.graph.output_node().args[0] if isinstance(a, Node)}
     found = []
@@ -59,20 +58,14 @@ def find_float64_state(ep: ExportedProgram) -> Tuple[List[Tuple[int, str, str]],
         value = table.get(spec.target)
         if not isinstance(value, torch.Tensor) or value.dtype != torch.float64:
             continue
-        writer = next((u for u in node.users if node in written_args(u)), None)
-        if spec.target in mutated or writer is not None:
-            where_written = source_line(writer) if writer is not None else _first_use(node)
-            return [], (f"float64 buffer {spec.target!r} is mutated by the program (at {where_written}): "
+        written_at = state_writer(ep, spec, node)
+        if written_at is not None:
+            return [], (f"float64 buffer {spec.target!r} is mutated by the program (at {written_at}): "
                         "its stored state must stay float64")
         if node in outputs:
             return [], f"float64 state {spec.target!r} is returned as a program output"
         found.append((index, spec.target, where))
     return found, ""
-
-
-def _first_use(node: Node) -> str:
-    users = list(node.users)
-    return source_line(users[0]) if users else f"node {node.name}"
 
 
 # --- rewriting ------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from torch.fx import Node
 
 from ..errors import ExportError
 from ._graph import (GraphBuilder, fake_mode_of, graph_modules_under, hop_bodies, is_hop, op_name, rebuild_program,
-                     set_value, state_location, written_args)
+                     set_value, state_location, state_writer)
 from .result import RewriteResult, source_line
 
 NAME = "narrow_float64"
@@ -54,16 +54,14 @@ def _narrowed(arg: Any) -> Any:
 def find_reason_to_decline(ep: ExportedProgram) -> Optional[str]:
     sig = ep.graph_signature
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
-    mutated = set(sig.buffers_to_mutate.values())
     for spec, node in zip(sig.input_specs, placeholders):
         if not _is_f64(node.meta.get("val")):
             continue
         if spec.kind == InputKind.USER_INPUT:
             return f"program input {node.name!r} is float64: narrowing it would change the method's signature"
-        writer = next((u for u in node.users if node in written_args(u)), None)
-        if spec.target in mutated or writer is not None:
-            where = source_line(writer) if writer is not None else f"node {node.name}"
-            return f"float64 buffer {spec.target!r} is mutated by the program (at {where})"
+        written_at = state_writer(ep, spec, node)
+        if written_at is not None:
+            return f"float64 buffer {spec.target!r} is mutated by the program (at {written_at})"
     for out in ep.graph.output_node().args[0]:
         if isinstance(out, Node) and _is_f64(out.meta.get("val")):
             return f"program output {out.name!r} is float64 (at {source_line(out)}): the caller would see float32"
