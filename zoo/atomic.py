@@ -1,7 +1,7 @@
 """Atomic file writes: a reader sees the old file or the whole new one, never a half-written one.
 
-Write to a temporary sibling, fsync, then ``os.replace``. A failed or interrupted write leaves only a
-``.<name>.tmp-*`` file, which no zoo command treats as an artifact and ``clean_temporaries`` removes.
+Write to a temporary sibling, fsync, then ``os.replace``. A failed write removes its ``.<name>.tmp-*`` file;
+one killed outright leaves only that file, which no zoo command treats as an artifact.
 """
 
 from __future__ import annotations
@@ -54,8 +54,3 @@ def write_text(target: PathLike, text: str) -> Path:
 
 def write_json(target: PathLike, obj: Any) -> Path:
     return write_text(target, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
-
-
-def clean_temporaries(folder: PathLike) -> None:
-    for tmp in Path(folder).glob(".*.tmp-*"):
-        tmp.unlink(missing_ok=True)

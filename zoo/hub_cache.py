@@ -15,7 +15,6 @@ import shutil
 from pathlib import Path
 from typing import Iterator, Optional
 
-DEFAULT_TINY_CACHE = Path(os.environ.get("ZOO_TINY_HUB_CACHE", Path.home() / ".cache" / "zoo" / "tiny-hub"))
 
 
 def tiny_cache_dir() -> Path:
