@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 
-
 def tiny_cache_dir() -> Path:
     """zoo's own cache for fabricated tiny checkpoints; ZOO_TINY_HUB_CACHE is read at call time so tests and
     users can move it after zoo was imported."""
