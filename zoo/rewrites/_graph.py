@@ -379,3 +379,21 @@ def state_writer(ep: ExportedProgram, spec: InputSpec, node: Node) -> Optional[s
     if spec.target in set(ep.graph_signature.buffers_to_mutate.values()):
         return f"node {node.name}"
     return None
+
+
+def replace_state(ep: ExportedProgram, spec: InputSpec, node: Node, fake_mode, convert: Callable,
+                  state_dict: Dict[str, Any], constants: Dict[str, Any],
+                  requires_grad: Optional[bool] = None) -> torch.Tensor:
+    """Store ``convert(old)`` in place of the state tensor behind ``spec`` (in the new program's
+    ``state_dict`` or ``constants``, where the old one was; a Parameter stays a Parameter, with ``requires_grad``
+    or the old flag) and give the new placeholder ``node`` its fake value."""
+    old = state_tensor(ep, spec)
+    if old is None:
+        raise RuntimeError(f"the program's state_dict/constants hold no tensor for {spec.target!r}")
+    with torch.no_grad():
+        new = convert(old.detach())
+    if isinstance(old, torch.nn.Parameter):
+        new = torch.nn.Parameter(new, requires_grad=old.requires_grad if requires_grad is None else requires_grad)
+    (state_dict if state_location(spec) == "state_dict" else constants)[spec.target] = new
+    set_value(node, fake_mode.from_tensor(new, static_shapes=True))
+    return new

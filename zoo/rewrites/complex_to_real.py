@@ -64,13 +64,12 @@ from ._graph import (
     node_value,
     op_name,
     rebuild_program,
+    replace_state,
     same_size,
     same_value_meta,
     schema_get,
     schema_set,
-    set_value,
     state_location,
-    state_tensor,
     tensors_in,
     written_args,
 )
@@ -562,10 +561,9 @@ def _rewrite(ep: ExportedProgram, found: _Found, pairs: Dict[torch.dtype, torch.
         try:
             if node in found.placeholders:
                 new = rw.copy(node, recompute=False)
-                spec = found.placeholders[node]
-                pair = _pair_constant(state_tensor(ep, spec), pairs)
-                (state_dict if state_location(spec) == "state_dict" else constants)[spec.target] = pair
-                set_value(new, rw.fake_mode.from_tensor(pair, static_shapes=True))
+                replace_state(ep, found.placeholders[node], new, rw.fake_mode,
+                              lambda t: torch.view_as_real(t.resolve_conj()).to(pairs[t.dtype]).clone(),
+                              state_dict, constants)
                 counts["constant"] += 1
             elif node in found.nodes:
                 new = _RULES[node.target].emit(rw, node)
@@ -588,16 +586,6 @@ def _rewrite(ep: ExportedProgram, found: _Found, pairs: Dict[torch.dtype, torch.
     program = rebuild_program(ep, rw.graph, state_dict=state_dict, constants=constants, renamed=renamed)
     notes = _notes(found, pairs)
     return program, counts, notes
-
-
-def _pair_constant(tensor: Optional[torch.Tensor], pairs: Dict[torch.dtype, torch.dtype]) -> torch.Tensor:
-    if tensor is None:
-        raise RuntimeError("the program's state_dict/constants hold no tensor for this input")
-    with torch.no_grad():
-        pair = torch.view_as_real(tensor.detach().resolve_conj()).to(pairs[tensor.dtype]).clone()
-    if isinstance(tensor, torch.nn.Parameter):
-        return torch.nn.Parameter(pair, requires_grad=tensor.requires_grad)
-    return pair
 
 
 def _check_pair(old: Node, new: Node, pairs: Dict[torch.dtype, torch.dtype]) -> None:

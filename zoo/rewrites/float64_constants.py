@@ -26,7 +26,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Graph, Node
 
 from ..errors import ExportError
-from ._graph import fake_mode_of, rebuild_program, set_value, state_location, state_writer
+from ._graph import fake_mode_of, rebuild_program, replace_state, set_value, state_location, state_writer
 from .result import RewriteResult
 
 NAME = "split_float64_constants"
@@ -101,13 +101,8 @@ def _rewrite(ep: ExportedProgram, found: List[Tuple[int, str, str]]) -> Exported
         new = graph.placeholder(old.name)
         new.meta.update({k: v for k, v in old.meta.items() if k != "val"})
         if index in by_index:
-            target, where = by_index[index]
-            table = state_dict if where == "state_dict" else constants
-            pair = split_pair(table[target].detach())
-            table[target] = torch.nn.Parameter(pair, requires_grad=False) if isinstance(
-                table[target], torch.nn.Parameter) else pair
-            with fake_mode:
-                set_value(new, fake_mode.from_tensor(pair, static_shapes=True))
+            replace_state(ep, ep.graph_signature.input_specs[index], new, fake_mode, split_pair, state_dict,
+                          constants, requires_grad=False)
             rebuilt_from[new] = old
         else:
             new.meta["val"] = old.meta.get("val")

@@ -28,7 +28,7 @@ from torch.fx import Node
 
 from ..errors import ExportError
 from ._graph import (GraphBuilder, fake_mode_of, graph_modules_under, hop_bodies, is_hop, op_name, rebuild_program,
-                     set_value, state_location, state_writer)
+                     replace_state, set_value, state_writer)
 from .result import RewriteResult, source_line
 
 NAME = "narrow_float64"
@@ -109,13 +109,7 @@ def _rewrite(ep: ExportedProgram):
         new.meta.update({k: v for k, v in old.meta.items() if k not in ("val", "tensor_meta")})
         val = old.meta.get("val")
         if _is_f64(val):
-            where = state_location(spec)
-            table = state_dict if where == "state_dict" else constants
-            narrowed = table[spec.target].detach().to(F32)
-            table[spec.target] = (torch.nn.Parameter(narrowed, requires_grad=False)
-                                  if isinstance(table[spec.target], torch.nn.Parameter) else narrowed)
-            with fake_mode:
-                set_value(new, fake_mode.from_tensor(narrowed, static_shapes=True))
+            replace_state(ep, spec, new, fake_mode, lambda t: t.to(F32), state_dict, constants, requires_grad=False)
             counts["float64 state"] += 1
         else:
             set_value(new, val)
