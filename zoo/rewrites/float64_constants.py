@@ -18,7 +18,7 @@ state would have to stay float64); the program is then returned exactly as it wa
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict, List, Tuple
+from typing import Dict, Tuple
 
 import torch
 from torch.export import ExportedProgram
@@ -26,7 +26,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Graph, Node
 
 from ..errors import ExportError
-from ._graph import fake_mode_of, rebuild_program, replace_state, set_value, state_location, state_writer
+from ._graph import fake_mode_of, rebuild_program, replace_state, set_value, state_tensor, state_writer
 from .result import RewriteResult
 
 NAME = "split_float64_constants"
@@ -43,19 +43,17 @@ def split_pair(c: torch.Tensor) -> torch.Tensor:
 # --- matching -------------------------------------------------------------------------------------------------
 
 
-def find_float64_state(ep: ExportedProgram) -> Tuple[List[Tuple[int, str, str]], str]:
-    """(index of the input, target name, where it is stored) of every float64 state tensor to split, and a
-    reason to decline ("" when none)."""
+def find_float64_state(ep: ExportedProgram) -> Tuple[Dict[int, str], str]:
+    """{index of the input: target name} of every float64 state tensor to split, and a reason to decline
+    ("" when none)."""
     sig = ep.graph_signature
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     outputs = {a for a in ep.graph.output_node().args[0] if isinstance(a, Node)}
-    found = []
+    found: Dict[int, str] = {}
     for index, (spec, node) in enumerate(zip(sig.input_specs, placeholders)):
-        where = state_location(spec)
-        if where is None or spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             continue
-        table = ep.state_dict if where == "state_dict" else ep.constants
-        value = table.get(spec.target)
+        value = state_tensor(ep, spec)
         if not isinstance(value, torch.Tensor) or value.dtype != torch.float64:
             continue
         written_at = state_writer(ep, spec, node)
@@ -64,7 +62,7 @@ def find_float64_state(ep: ExportedProgram) -> Tuple[List[Tuple[int, str, str]],
                         "its stored state must stay float64")
         if node in outputs:
             return [], f"float64 state {spec.target!r} is returned as a program output"
-        found.append((index, spec.target, where))
+        found[index] = spec.target
     return found, ""
 
 
@@ -85,13 +83,12 @@ def split_float64_constants(ep: ExportedProgram) -> RewriteResult:
     except Exception as exc:  # a rewrite that fails half way must not leave a half-changed program
         return RewriteResult.decline(NAME, ep, f"rebuilding float64 constants failed: {exc}")
     counts = Counter({"float64 constant": len(found)})
-    notes = [f"{target}: stored as float32 (hi, lo), rebuilt in float64 in the graph" for _, target, _ in found]
+    notes = [f"{target}: stored as float32 (hi, lo), rebuilt in float64 in the graph" for target in found.values()]
     return RewriteResult.rewritten(NAME, program, counts, notes)
 
 
-def _rewrite(ep: ExportedProgram, found: List[Tuple[int, str, str]]) -> ExportedProgram:
+def _rewrite(ep: ExportedProgram, found: Dict[int, str]) -> ExportedProgram:
     fake_mode = fake_mode_of(ep)
-    by_index = {index: (target, where) for index, target, where in found}
     graph = Graph()
     env: Dict[Node, Node] = {}
     old_placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
@@ -100,7 +97,7 @@ def _rewrite(ep: ExportedProgram, found: List[Tuple[int, str, str]]) -> Exported
     for index, old in enumerate(old_placeholders):
         new = graph.placeholder(old.name)
         new.meta.update({k: v for k, v in old.meta.items() if k != "val"})
-        if index in by_index:
+        if index in found:
             replace_state(ep, ep.graph_signature.input_specs[index], new, fake_mode, split_pair, state_dict,
                           constants, requires_grad=False)
             rebuilt_from[new] = old
