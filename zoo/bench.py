@@ -3,8 +3,8 @@
 For each method of a run folder (and each size of its dynamic dims asked for), three candidates run on the
 same pre-drawn inputs in the unit's dtype:
 
-  artifact  the shipped ``so/<method>.so`` + ``so/<method>.weights.blob`` through torch's AOTI runner, fed in
-            the delegate's own input order (the very kernels verification checks)
+  artifact  the method's .so + weights taken out of the shipped model.pte / aoti_cuda_blob.ptd, through torch's
+            AOTI runner, fed in the delegate's own input order (exactly as verification runs them)
   eager     the original exported program (``exported.<method>.pt2``, complex rotary math and all), op by op
   compile   ``torch.compile`` (default mode) of that same module
 
@@ -408,41 +408,53 @@ def module_runner(module: Callable[..., Any]) -> RunFn:
 
 
 def artifact_candidate(run_dir: Path, method: str, device: str) -> Candidate:
+    from .lowering import PTE_NAME
+
     run_dir = Path(run_dir)
-    so = run_dir / "so" / f"{method}.so"
     if torch.device(device).type != "cuda":
         return Candidate("artifact", lambda: None, skipped="the artifact runs only on a CUDA device")
-    if not (run_dir / "model.pte").is_file() or not so.is_file():
+    if not (run_dir / PTE_NAME).is_file():
         return Candidate("artifact", lambda: None,
-                         skipped=f"not lowered ({so.relative_to(run_dir)} missing): python -m zoo lower {run_dir}")
+                         skipped=f"not lowered ({PTE_NAME} missing): python -m zoo lower {run_dir}")
     holder: Dict[str, Any] = {}
 
     def build() -> RunFn:
         holder["method"] = ArtifactMethod(run_dir, method, device)
         return holder["method"]
 
-    return Candidate("artifact", build, holder.clear,
-                     what=f"so/{method}.so + so/{method}.weights.blob via torch's AOTI runner, delegate I/O order")
+    def teardown() -> None:
+        if "method" in holder:
+            holder.pop("method").close()
+
+    return Candidate("artifact", build, teardown,
+                     what=f"{method}'s .so + weights taken out of model.pte / aoti_cuda_blob.ptd, via torch's AOTI "
+                          "runner, delegate I/O order")
 
 
 class ArtifactMethod:
-    """One lowered method run as verification runs it: zoo's AOTI runner on the method's .so and weights blob,
-    inputs handed over in the delegate's order (``so/<method>.io.json``), outputs returned in the method's."""
+    """One lowered method run exactly as verification runs it: the .so and weights blob taken out of the
+    shipped model.pte / aoti_cuda_blob.ptd (``verify.shipped_runners``), inputs handed over in the delegate's
+    order (``verify.run_in_delegate_order``)."""
 
     def __init__(self, run_dir: Path, method: str, device: str = "cuda"):
-        from .aoti_runner import AotiRunner
-        from .lowering import SO_DIR, load_io_order
+        from .lowering import PTD_NAME, PTE_NAME, load_io_order
+        from .verify import aoti_runner_factory, shipped_runners
 
         run_dir = Path(run_dir)
-        io = load_io_order(run_dir, method)
-        blob = run_dir / SO_DIR / f"{method}.weights.blob"
-        self.runner = AotiRunner(run_dir / SO_DIR / f"{method}.so", blob if blob.is_file() else None, device)
-        self.input_order = [int(i) for i in io["input_order"]]
-        self.output_order = [int(j) for j in io["output_order"]]
+        self.order = load_io_order(run_dir, method)
+        self._open = contextlib.ExitStack()
+        runners = self._open.enter_context(
+            shipped_runners(run_dir / PTE_NAME, run_dir / PTD_NAME, [method], aoti_runner_factory, device))
+        self.runner = runners[method]
 
     def __call__(self, args: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        outs = self.runner.run([args[i] for i in self.input_order])
-        return [outs[j] for j in self.output_order]
+        from .verify import run_in_delegate_order
+
+        return run_in_delegate_order(self.runner, self.order, args)
+
+    def close(self) -> None:
+        self.runner = None
+        self._open.close()
 
 
 # ------------------------------------------------------------------------------------------------------

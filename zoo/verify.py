@@ -303,9 +303,7 @@ def verify_artifact(run_dir: Path, recipe, *, device: Optional[str] = None,
     with shipped_runners(pte, ptd, methods, factory, device) as runners:
 
         def call_so(m: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
-            order = orders[m]
-            outs = runners[m].run([inputs[i] for i in order["input_order"]])
-            return [outs[j] for j in order["output_order"]]
+            return run_in_delegate_order(runners[m], orders[m], inputs)
 
         rows = run_all("aoti", call_so)
     status, et_call = executorch_runtime(run_dir, device) if try_executorch else ("ExecuTorch runtime: not tried", None)
@@ -324,6 +322,13 @@ def verify_artifact(run_dir: Path, recipe, *, device: Optional[str] = None,
         exc.result = result  # type: ignore[attr-defined]
         raise exc
     return result
+
+
+def run_in_delegate_order(runner: Any, order: Dict[str, Any], inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Run a method's .so: ``inputs`` in the method's signature order are handed over in the delegate's order
+    (``so/<method>.io.json``), and its outputs come back in the method's order."""
+    outs = runner.run([inputs[i] for i in order["input_order"]])
+    return [outs[j] for j in order["output_order"]]
 
 
 @contextlib.contextmanager
