@@ -203,6 +203,24 @@ def test_a_failing_or_skipped_candidate_is_reported_and_the_rest_are_measured():
     assert torn_down == [True]
 
 
+def test_carried_state_is_the_inputs_handed_back_and_its_copy_is_timed_against_the_artifact():
+    specs = [InputSpec("x", "float32", [4]), InputSpec("k_pool", "float32", [2, "n", 8]),
+             InputSpec("v_pool", "bfloat16", [2, "n", 8])]
+    outputs = ["pred", "k_pool_next", "v_pool_next"]
+    assert bench.carried_inputs(specs, outputs) == [1, 2]
+    assert bench.carried_inputs(specs, ["pred"]) == []
+    rows = bench.carried_state_cost("step", specs, [1, 2], [{"n": 3}, {"n": 5}], [2.0, None], warmup=1, runs=4,
+                                    device="cpu", input_sets=2)
+    assert [r["sizes"] for r in rows] == [{"n": 3}, {"n": 5}]
+    # 2*3*8 float32 + 2*3*8 bfloat16 = 192 + 96 bytes; at n=5: 320 + 160.
+    assert [r["bytes"] for r in rows] == [288, 480] and rows[0]["inputs"] == ["k_pool", "v_pool"]
+    assert rows[0]["copy"]["n"] == 4 and rows[0]["error"] is None
+    assert rows[0]["fraction_of_artifact"] == pytest.approx(rows[0]["copy"]["median"] / 2.0)
+    assert rows[1]["fraction_of_artifact"] is None  # no artifact time at that size: no share claimed
+    text = bench.render({"carried_state": rows}, markdown=True)
+    assert "State passed in and out" in text and "k_pool, v_pool" in text
+
+
 def test_inputs_are_distinct_seeded_sets_of_the_spec_shapes():
     specs = [InputSpec("x", "float32", [2, "n"]), InputSpec("slots", "int64", [3], "randperm:10")]
     sets = bench.draw_inputs(specs, {"n": 5}, 4, "cpu")

@@ -302,6 +302,38 @@ def bench_method(method: str, specs: Sequence[InputSpec], cases: Sequence[Dict[s
     return results
 
 
+def carried_inputs(specs: Sequence[InputSpec], output_names: Sequence[str]) -> List[int]:
+    """Inputs a method hands back as ``<name>_next`` (LingBot-VA's KV pool in the ``io`` layout)."""
+    returned = set(output_names)
+    return [i for i, spec in enumerate(specs) if f"{spec.name}_next" in returned]
+
+
+def carried_state_cost(method: str, specs: Sequence[InputSpec], carried: Sequence[int],
+                       cases: Sequence[Dict[str, int]], artifact_medians: Sequence[Optional[float]],
+                       warmup: int, runs: int, device: str, input_sets: Optional[int] = None) -> List[Dict[str, Any]]:
+    """What passing state in and out costs per call, against an in-place buffer: one copy of each carried input.
+
+    A method that returns an updated pool as a new tensor (``index_copy``, not ``index_copy_``) must write the
+    whole pool, not just the new slots: an AOTI ``.so`` may not overwrite its inputs. That copy is timed here
+    alone, on the same rotated input sets and timer as the candidates, and reported as a fraction of the
+    artifact's median latency at the same sizes.
+    """
+    names = [specs[i].name for i in carried]
+    rows = []
+    for sizes, art in zip(cases, artifact_medians):
+        per_set = [specs[i] for i in carried]
+        count = input_sets or auto_input_sets(set_bytes(per_set, sizes), device)
+        drawn = [(sizes, draw_inputs(per_set, sizes, count, device))]
+        copy = Candidate("state copy", lambda: (lambda args: [t.clone() for t in args]),
+                         what="clone() of each carried input")
+        (rec,) = bench_candidate(copy, drawn, warmup, runs, device, keep_outputs=False)
+        median = (rec.get("stats") or {}).get("median")
+        rows.append({"method": method, "sizes": sizes, "inputs": names, "bytes": set_bytes(per_set, sizes),
+                     "copy": rec.get("stats"), "error": rec.get("error"),
+                     "fraction_of_artifact": median / art if median is not None and art else None})
+    return rows
+
+
 def agreement(records: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """Each candidate's outputs on the first input set against eager's: worst relative L2, lowest cosine.
 
@@ -559,6 +591,17 @@ def latency_rows(results: Sequence[Dict[str, Any]]) -> List[List[str]]:
     return rows
 
 
+def carried_rows(carried: Sequence[Dict[str, Any]]) -> List[List[str]]:
+    rows = [["method", "sizes", "carried inputs", "MiB", "copy ms", "share of artifact latency"]]
+    for r in carried:
+        name = f"{r['unit']}: {r['method']}" if r.get("unit") else r["method"]
+        share = r.get("fraction_of_artifact")
+        rows.append([name, _sizes(r["sizes"]), ", ".join(r["inputs"]), _mib(r["bytes"]),
+                     f"FAILED: {r['error']}" if r.get("error") else _ms(r.get("copy")),
+                     "" if share is None else f"{100 * share:.1f}%"])
+    return rows
+
+
 def rotary_rows(rotary: Sequence[Dict[str, Any]]) -> List[List[str]]:
     rows = [["case", "shape", "dtype", "eager complex ms", "real pairs ms", "speedup", "GB/s",
              f"of copy BW (>= {TARGETS.rotary_copy_fraction:.0%})"]]
@@ -621,6 +664,11 @@ def render(result: Dict[str, Any], markdown: bool = True) -> str:
                 if what and line not in seen:
                     seen.append(line)
         out += [("- " if markdown else "") + line for line in seen] + [""]
+    if result.get("carried_state"):
+        out += heading("State passed in and out (per call, against an in-place buffer)") + [
+            table(carried_rows(result["carried_state"])), "",
+            "The method returns each carried input updated as a new tensor, so every call writes it whole; the "
+            "copy column times exactly that write (clone() of the inputs) alone.", ""]
     if result.get("rotary"):
         copy = result.get("copy_bandwidth") or {}
         out += heading("Rotary embedding alone") + [table(rotary_rows(result["rotary"])), ""]
@@ -775,8 +823,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for m in methods:
         print(f"[zoo] bench {m} at {len(cases)} size(s) ...", file=sys.stderr, flush=True)
         candidates = run_folder_candidates(run_dir, m, device, args.compile_program, dynamic, not args.no_compile)
-        result["methods"] += bench_method(m, input_specs(io_spec, m), cases, candidates, args.warmup, args.runs,
-                                          device, args.input_sets)
+        specs = input_specs(io_spec, m)
+        timed = bench_method(m, specs, cases, candidates, args.warmup, args.runs, device, args.input_sets)
+        result["methods"] += timed
+        carried = carried_inputs(specs, io_spec["methods"][m].get("outputs") or [])
+        if carried:
+            medians = [((r["candidates"].get("artifact") or {}).get("stats") or {}).get("median") for r in timed]
+            result.setdefault("carried_state", []).extend(
+                carried_state_cost(m, specs, carried, cases, medians, args.warmup, args.runs, device,
+                                   args.input_sets))
     if args.rotary or args.rotary_shape:
         from .bench_rotary import DEFAULT_CASES, parse_case, run_rotary
 

@@ -44,6 +44,9 @@ class Source:
     # local Hub cache, then pulls them through the same code path as a real checkpoint.
     fabricate: bool = False
     seed: int = 0
+    # The dtype fabricated policy weights are stored in (real checkpoints ship bfloat16); unset keeps the
+    # family's own. The unit still computes in unit.dtype: loading casts, as it does for a real checkpoint.
+    fabricate_dtype: Optional[str] = None
 
 
 @dataclass
@@ -164,6 +167,8 @@ class Recipe:
 
     def _validate_source(self, fail) -> None:
         src = self.source
+        if src.fabricate_dtype not in (None, "float32", "bfloat16", "float16"):
+            fail(f"source.fabricate_dtype={src.fabricate_dtype!r}", "use bfloat16, float16, float32 or null")
         if src.local_dir is not None:
             if not str(src.local_dir).strip():
                 fail("source.local_dir is empty", "give a checkpoint folder, or null to pull from the Hub")

@@ -38,11 +38,28 @@ def fabricate(recipe, cache_dir: Optional[Path] = None) -> Dict[str, str]:
         if main_repo not in repos:
             raise ExportError(f"family {recipe.family!r} fabricated {sorted(repos)} but not the recipe's repo "
                               f"{main_repo!r}", "fabricate_checkpoint must return the recipe's source.repo_id")
+        if recipe.source.fabricate_dtype:
+            _store_weights_as(Path(repos[main_repo]), recipe.source.fabricate_dtype)
         commits = {}
         for repo_id, folder in repos.items():
             revision = recipe.source.revision if repo_id == main_repo else "main"
             commits[repo_id] = put_in_cache(repo_id, Path(folder), cache, revision)
     return commits
+
+
+def _store_weights_as(folder: Path, dtype_name: str) -> None:
+    """Rewrite every floating tensor of the folder's ``*.safetensors`` files in ``dtype_name``, metadata kept."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, dtype_name)  # the recipe schema admits floating dtypes only
+    for path in sorted(folder.rglob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata()
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+        save_file(tensors, str(path), metadata=metadata)
 
 
 @contextlib.contextmanager

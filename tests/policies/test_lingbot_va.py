@@ -32,11 +32,13 @@ RECIPE = "lingbot-va-tiny"
 LAYOUTS = ("io", "buffer")
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
+# The tiny recipe has one head (a small bundle); the head axis of the pool and attention is checked at two.
+TWO_HEADS = ["unit.options.policy_config.num_attention_heads=2"]
+
+
+def _fabricated_hub(root: Path, overrides=()):
     """Fabricate -> put_in_cache -> offline snapshot_download: returns (cache dir, checkpoint dir, repos)."""
-    root = tmp_path_factory.mktemp("lingbot_hub")
-    recipe = load_recipe(RECIPE)
+    recipe = load_recipe(RECIPE, list(overrides))
     repos = lingbot_va.fabricate_checkpoint(recipe, root / "fabricated")
     cache = root / "cache"
     for repo_id, folder in repos.items():
@@ -44,6 +46,18 @@ def hub(tmp_path_factory):
     with hub_environment(cache, offline=True):
         checkpoint = Path(snapshot_download(recipe.source.repo_id))
     return cache, checkpoint, repos
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    return _fabricated_hub(tmp_path_factory.mktemp("lingbot_hub"))
+
+
+@pytest.fixture(scope="module")
+def two_head_unit(tmp_path_factory):
+    cache, checkpoint, _ = _fabricated_hub(tmp_path_factory.mktemp("lingbot_hub_2h"), TWO_HEADS)
+    with hub_environment(cache, offline=True):
+        return lingbot_va.build_unit(checkpoint, load_recipe(RECIPE, TWO_HEADS))
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +225,7 @@ def test_unit_shapes_and_host_settings_follow_the_checkpoint(units):
     unit = units["io"]
     settings = json.loads(json.dumps(unit.host_settings))  # must be plain JSON
     # Tiny: 2 layers, CFG batch 2, pool = (attn_window // 2) * (32 video + 16 action tokens), 2 heads x 128.
-    assert settings["kv_pool"]["shape"] == [2, 2, 96, 2, 128]
+    assert settings["kv_pool"]["shape"] == [2, 2, 96, 1, 128]
     assert settings["kv_pool"]["layout"] == "io"
     assert (settings["video"]["num_inference_steps"], settings["action"]["num_inference_steps"]) == (20, 50)
     assert (settings["video"]["snr_shift"], settings["action"]["snr_shift"]) == (5.0, 0.05)
@@ -227,7 +241,7 @@ def test_unit_shapes_and_host_settings_follow_the_checkpoint(units):
     assert units["buffer"].methods["action_step"].output_names == ["action_noise_pred"]
     # The eager cache LeRobot creates has exactly the pool's size.
     steps = unit.reference()
-    assert tuple(steps.cache(0)["k"].shape) == (2, 96, 2, 128)
+    assert tuple(steps.cache(0)["k"].shape) == (2, 96, 1, 128)
 
 
 def test_host_slot_allocator_hand_worked_case():
@@ -277,9 +291,10 @@ SEQUENCE = [
 ]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_unit_matches_lerobot_stateful_calls_over_a_sequence(units, layout):
-    unit = units[layout]
+@pytest.mark.parametrize("layout", [*LAYOUTS, "io, 2 heads"])
+def test_unit_matches_lerobot_stateful_calls_over_a_sequence(units, layout, request):
+    unit = units[layout] if layout in units else request.getfixturevalue("two_head_unit")
+    layout = layout.split(",")[0]
     eager = unit.reference()  # LeRobot's own transformer calls with its own KV cache
     settings = unit.host_settings["kv_pool"]
     alloc = HostSlotAllocator(settings["tokens"])

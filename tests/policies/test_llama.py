@@ -118,7 +118,7 @@ def test_unit_matches_transformers(unit, reference, seq):
     tok = tokens(unit, seq, seed=seq)
     with torch.no_grad():
         got = unit.methods["forward"].module(tok)
-    assert got.shape == (1, seq, 512) and got.dtype == torch.float32
+    assert got.shape == (1, seq, 256) and got.dtype == torch.float32
     assert rel(got, hf_logits(reference, tok)) < 1e-5
 
 
@@ -134,9 +134,9 @@ def test_unit_spec_and_host_side(unit, checkpoint):
     assert [(s.name, s.dtype, s.shape) for s in method.inputs] == [("tokens", "int64", [1, "seq"])]
     assert method.output_names == ["logits"]
     tok = tokens(unit, 256, seed=5)
-    assert tok.dtype == torch.int64 and 0 <= int(tok.min()) and int(tok.max()) < 512
+    assert tok.dtype == torch.int64 and 0 <= int(tok.min()) and int(tok.max()) < 256
     assert method.module.freqs_cis.dtype == torch.complex64 and method.module.freqs_cis.shape == (256, 32)
-    assert unit.host_settings["vocab_size"] == 512 and unit.host_settings["max_seq_len"] == 256
+    assert unit.host_settings["vocab_size"] == 256 and unit.host_settings["max_seq_len"] == 256
     assert checkpoint / "generation_config.json" in unit.host_files
 
 

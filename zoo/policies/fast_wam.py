@@ -40,6 +40,7 @@ from ..errors import ExportError, PullError, RecipeError
 from ..hub_cache import hub_environment, put_in_cache
 from ..recipes import Recipe
 from .base import ExportUnit, InputSpec, MethodSpec
+from .tiny_wan import tiny_wan22_vae
 
 FAMILY = "fast_wam"
 POLICY_TYPE = "fastwam"  # the "type" key of a Fast-WAM checkpoint's config.json
@@ -55,13 +56,6 @@ _UNIT_DTYPES = ("float32", "bfloat16")
 # state it feeds as proprio and for the actions the unit returns normalised).
 _PROCESSOR_GLOB = "policy_*processor*"
 
-# Tiny Wan2.2 VAE: the real block structure (16x spatial, 4x temporal compression, 48 latent channels that
-# Fast-WAM's adapter hard-codes) at toy width.
-_TINY_VAE = dict(
-    base_dim=16, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=1, temperal_downsample=[False, True, True],
-    is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16,
-    scale_factor_temporal=4, latents_mean=[0.0] * 48, latents_std=[1.0] * 48,
-)
 _TINY_WORDS = (
     "a video recorded from robot's point of view executing the following instruction: pick up put place "
     "open close the bowl plate drawer cabinet on in of and to black white red top left right"
@@ -679,10 +673,9 @@ def _write_tokenizer(folder: Path, text_dim: int) -> int:
 
 def _write_wan_components(folder: Path, text_dim: int, vocab_size: int, generator: torch.Generator) -> None:
     """Tiny ``vae/`` (AutoencoderKLWan) and ``text_encoder/`` (UMT5EncoderModel) in diffusers' repo layout."""
-    from diffusers import AutoencoderKLWan
     from transformers import UMT5Config, UMT5EncoderModel
 
-    vae = AutoencoderKLWan(**_TINY_VAE)
+    vae = tiny_wan22_vae()
     _randomise(vae, generator)
     vae.save_pretrained(folder / "vae")
     encoder = UMT5EncoderModel(UMT5Config(

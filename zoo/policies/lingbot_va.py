@@ -30,6 +30,7 @@ from ..errors import PullError, RecipeError
 from ..recipes import Recipe
 from .base import ExportUnit, InputSpec, MethodSpec
 from .lingbot_va_pool import PoolStep, zero_pools
+from .tiny_wan import Z_DIM, tiny_wan22_vae
 
 # lerobot is the policies extra: zoo.policies.load_family turns a failed import into an ExportError with a hint.
 from lerobot.policies.lingbot_va import LingBotVAConfig, LingBotVAPolicy
@@ -42,7 +43,7 @@ UNIT_DTYPES = ("float32", "bfloat16")  # LingBot-VA's own dtype table has no flo
 # itself, "flashattn" is an opaque extension), a CPU build, and the recipe's dtype.
 ZOO_SET_FIELDS = ("dtype", "attn_mode", "device")
 INPUT_KEYS = ("batch", "text_len", "pool_tokens")
-LATENT_CHANNELS = 48  # Wan2.2 VAE z_dim; LeRobot hard-codes it (modeling_lingbot_va.py:756)
+LATENT_CHANNELS = Z_DIM  # Wan2.2 VAE z_dim; LeRobot hard-codes it (modeling_lingbot_va.py:756)
 SAFETENSORS = "model.safetensors"
 
 
@@ -437,17 +438,11 @@ def _save_frozen_repo(config: LingBotVAConfig, seed: int, repo_dir: Path) -> Non
     LeRobot loads them lazily on the first select_action, by Hub id, with diffusers/transformers' own loaders,
     so they must exist under the real id for an offline run of the policy's full inference path.
     """
-    from diffusers import AutoencoderKLWan
     from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed + 2)
-        # The Wan2.2 layout at toy width: 16x spatial / 4x temporal compression and z_dim 48, which LeRobot's
-        # latent arithmetic assumes (height // 16, 4 frames per latent frame, 48 channels).
-        vae = AutoencoderKLWan(base_dim=16, z_dim=LATENT_CHANNELS, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
-                               temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
-                               out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
-                               latents_mean=[0.0] * LATENT_CHANNELS, latents_std=[1.0] * LATENT_CHANNELS)
+        vae = tiny_wan22_vae()  # the latent arithmetic LeRobot assumes: height // 16, 4 frames, 48 channels
         # UMT5's width is the DiT's text_dim: its last_hidden_state feeds the text projection.
         encoder = UMT5EncoderModel(UMT5Config(vocab_size=64, d_model=config.text_dim, d_kv=16, d_ff=64,
                                               num_layers=1, num_heads=2, relative_attention_num_buckets=8))
