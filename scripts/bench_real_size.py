@@ -345,7 +345,7 @@ def run_unit(spec: UnitSpec, args, out_dir: Path, results: Dict[str, Any]) -> No
                 cands = unit_candidates(unit, m, unit_dir, args.device, not args.no_compile, dynamic)
                 specs = unit.methods[m].inputs
                 timed = bench.bench_method(m, specs, cases, cands, args.warmup, args.runs, args.device,
-                                           args.input_sets)
+                                           args.input_sets, profile=args.profile)
                 for r in timed:
                     r["unit"] = unit_name
                     results["methods"].append(r)
@@ -441,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-sets", type=int, default=None, help="input sets to rotate through (default: auto)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile candidate (saves its compile)")
     p.add_argument("--no-rotary", action="store_true", help="skip the rotary microbenchmark")
+    p.add_argument("--profile", action="store_true",
+                   help="also list each candidate's top kernels by device time (CUDA profiler, after timing)")
     p.add_argument("--no-verify", action="store_true", help="skip zoo's verification (the bench still compares "
                                                             "the artifact's outputs with eager's)")
     p.add_argument("--keep-artifacts", action="store_true",

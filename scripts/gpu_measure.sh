@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Everything the docs report from a GPU, in one call on an offline GPU box, jobs side by side:
-#   scripts/gpu_measure.sh BUNDLE_DIR OUT_DIR [--check RECIPE ...] [--bench RUN_RECIPE OVERRIDE ...] [--real UNIT ...]
+#   scripts/gpu_measure.sh BUNDLE_DIR OUT_DIR [--check RECIPE ...] [--bench RUN_RECIPE OVERRIDE ...] [--real ARG ...]...
 #
 #   --check   scripts/gpu_check.sh BUNDLE_DIR RECIPE ... : the offline install and the tiny recipes end to end
 #   --bench   python -m zoo.export RUN_RECIPE OVERRIDE ... then `python -m zoo bench RUN --rotary` on that run
-#   --real    scripts/bench_real_size.py --units UNIT ... (seeded random weights at real size)
+#   --real    scripts/bench_real_size.py ARG ... (e.g. --units fast_wam --profile); each --real is a job of its
+#             own, so several real-size units lower side by side (ARGs without spaces)
 #
 # Each job has its own log and a time limit (ZOO_JOB_TIMEOUT seconds, default 540), so a slow job keeps what
-# the others measured. OUT_DIR ends with at most 8 files: summary.txt (every table, printed last too), the
-# bench and real-size JSON/Markdown, and logs.tar.gz (each job's log, run reports and JSON, no artifacts).
+# the others measured. OUT_DIR ends with summary.txt (every table, printed last too), the bench and real-size
+# JSON/Markdown, and logs.tar.gz (each job's log, run reports and JSON, no artifacts).
 set -uo pipefail
 if [ $# -lt 2 ] || [ ! -d "$1/wheels" ]; then
   echo "usage: scripts/gpu_measure.sh BUNDLE_DIR OUT_DIR [--check RECIPE ...] [--bench RECIPE OVERRIDE ...] [--real UNIT ...]" >&2
@@ -18,9 +19,11 @@ BUNDLE="$(cd "$1" && pwd)"; OUT="$(mkdir -p "$2" && cd "$2" && pwd)"; shift 2
 CHECK=(); BENCH=(); REAL=(); part=""
 for arg in "$@"; do
   case "$arg" in
-    --check|--bench|--real) part="$arg" ;;
+    --check|--bench) part="$arg" ;;
+    --real) part="$arg"; REAL+=("") ;;
     *) case "$part" in
-         --check) CHECK+=("$arg") ;; --bench) BENCH+=("$arg") ;; --real) REAL+=("$arg") ;;
+         --check) CHECK+=("$arg") ;; --bench) BENCH+=("$arg") ;;
+         --real) REAL[${#REAL[@]}-1]="${REAL[${#REAL[@]}-1]} $arg" ;;
          *) echo "gpu_measure: '$arg' comes before --check/--bench/--real" >&2; exit 2 ;;
        esac ;;
   esac
@@ -57,14 +60,14 @@ if [ ${#BENCH[@]} -gt 0 ]; then
     echo "bench exit $?" >> "$WORK/logs/bench.log" ) &
   pids+=($!)
 fi
-if [ ${#REAL[@]} -gt 0 ]; then
-  ( timeout "$LIMIT" "$PY" scripts/bench_real_size.py --out "$WORK/real" --units "${REAL[@]}" \
-      > "$WORK/logs/real.log" 2>&1
-    echo "bench_real_size exit $?" >> "$WORK/logs/real.log"
-    cp "$WORK/real/bench.json" "$OUT/real.bench.json" 2>/dev/null
-    cp "$WORK/real/bench.md" "$OUT/real.bench.md" 2>/dev/null ) &
+for i in "${!REAL[@]}"; do
+  # shellcheck disable=SC2086
+  ( timeout "$LIMIT" "$PY" scripts/bench_real_size.py --out "$WORK/real$i" ${REAL[$i]} > "$WORK/logs/real$i.log" 2>&1
+    echo "bench_real_size exit $?" >> "$WORK/logs/real$i.log"
+    cp "$WORK/real$i/bench.json" "$OUT/real$i.bench.json" 2>/dev/null
+    cp "$WORK/real$i/bench.md" "$OUT/real$i.bench.md" 2>/dev/null ) &
   pids+=($!)
-fi
+done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$WORK/logs/gpu.txt" 2>&1
 wait "${pids[@]}"
 
@@ -74,11 +77,9 @@ wait "${pids[@]}"
    | tar czf "$OUT/logs.tar.gz" -T -)
 {
   echo "== GPU"; cat "$WORK/logs/gpu.txt"
-  for job in check bench real; do
-    [ -f "$WORK/logs/$job.log" ] || continue
-    echo; echo "== $job (last lines of its log)"; tail -n 60 "$WORK/logs/$job.log"
+  for log in "$WORK"/logs/*.log; do
+    echo; echo "== $(basename "$log" .log) (last lines of its log)"; tail -n 40 "$log"
   done
-  [ -f "$OUT/bench.md" ] && { echo; echo "== bench.md"; cat "$OUT/bench.md"; }
-  [ -f "$OUT/real.bench.md" ] && { echo; echo "== real.bench.md"; cat "$OUT/real.bench.md"; }
+  for md in "$OUT"/*.md; do [ -f "$md" ] && { echo; echo "== $(basename "$md")"; cat "$md"; }; done
 } > "$OUT/summary.txt"
 cat "$OUT/summary.txt"

@@ -508,6 +508,34 @@ def test_cuda_events_see_known_work_ratio():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_time_leaves_out_the_host_and_sees_known_work():
+    from zoo.bench_timing import measure_device_time
+
+    x = [torch.randn(8 << 20, device="cuda") for _ in range(2)]  # 32 MiB each
+
+    def slow_host_one_add(t):
+        time.sleep(0.002)  # 2 ms of host work per call: queued timing would report it, device time must not
+        return t + 1
+
+    one, how = measure_device_time(slow_host_one_add, x, warmup=2, runs=10, device="cuda")
+    four, _ = measure_device_time(lambda t: t + 1 + 2 + 3 + 4, x, warmup=2, runs=10, device="cuda")
+    assert how.startswith("cuda_graph_replay") and one.median < 0.5  # a 64 MB add is ~20 us on a big GPU
+    assert 3.0 < four.median / one.median < 5.0  # four element-wise passes over the same bytes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_top_kernels_name_the_kernel_that_takes_the_time():
+    a, small = torch.randn(4096, 4096, device="cuda"), torch.randn(64, device="cuda")
+    rows = bench.top_kernels(lambda args: [args[0] @ args[0], small + 1], [[a]], calls=3)
+    total, first = rows[0], rows[1]
+    assert total["kernel"] == "(all kernels)" and total["launches_per_call"] >= 2
+    assert "gemm" in first["kernel"].lower() or "sgemm" in first["kernel"].lower() or "cutlass" in first["kernel"].lower()
+    assert first["share"] > 0.9 and first["launches_per_call"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_rotary_on_gpu_compiled_pairs_agree_and_report_a_fraction():
     from zoo.bench_rotary import run_rotary
 
@@ -534,3 +562,13 @@ def test_bench_of_a_lowered_tiny_run_times_the_artifact(run_folder, tmp_path, te
         assert m["agreement"]["artifact"]["worst_rel_l2"] < 1e-5  # float32 pairs vs complex64 eager
         assert m["ratios"]["artifact/eager"] > 0 and m["ratios"]["artifact/compile"] > 0
     assert result["artifact_sizes"]["model.pte"] > 0
+
+
+def test_kernel_rows_list_each_candidates_top_kernels():
+    kernels = [{"kernel": "(all kernels)", "ms_per_call": 2.0, "launches_per_call": 12, "share": 1.0},
+               {"kernel": "triton_sdpa", "ms_per_call": 1.5, "launches_per_call": 1, "share": 0.75}]
+    results = [{"method": "forward", "unit": "llama", "sizes": {"seq": 2048},
+                "candidates": {"artifact": {"top_kernels": kernels}, "eager": {"stats": {}}}}]
+    rows = bench.kernel_rows(results)
+    assert rows[1:] == [["llama: forward", "seq=2048", "artifact", "(all kernels)", "2.000", "12", "100%"],
+                        ["llama: forward", "seq=2048", "artifact", "triton_sdpa", "1.500", "1", "75%"]]

@@ -146,7 +146,8 @@ class _Memory:
 
 
 def bench_candidate(candidate: Candidate, cases: Sequence[Tuple[Dict[str, int], Sequence[Sequence[torch.Tensor]]]],
-                    warmup: int, runs: int, device: str, keep_outputs: bool = True) -> List[Dict[str, Any]]:
+                    warmup: int, runs: int, device: str, keep_outputs: bool = True,
+                    profile: bool = False) -> List[Dict[str, Any]]:
     """Build one candidate, then for each size case warm it, reset the peak counter and time it.
 
     Returns one record per case: stats, peak memory, build and first-call seconds (the first call includes
@@ -173,6 +174,8 @@ def bench_candidate(candidate: Candidate, cases: Sequence[Tuple[Dict[str, int], 
                 try:
                     records.append(_time_case(run, inputs_list, warmup, runs, timer, memory, keep_outputs,
                                               build_s))
+                    if profile and dev.type == "cuda":
+                        records[-1]["top_kernels"] = top_kernels(run, inputs_list)
                 except Exception as exc:  # e.g. out of memory at one size: record it, try the next size
                     records.append({"error": f"run failed at sizes {sizes}: {_one_line(exc)}"})
     finally:
@@ -180,6 +183,28 @@ def bench_candidate(candidate: Candidate, cases: Sequence[Tuple[Dict[str, int], 
         candidate.teardown()
         memory.before_build()  # frees cached blocks so the next candidate starts from the same state
     return records
+
+
+def top_kernels(run: RunFn, inputs_list, calls: int = 3, top: int = 6) -> List[Dict[str, Any]]:
+    """Where a candidate's device time goes: its kernels by total device time per call (CUDA profiler).
+
+    CUPTI sees every kernel the process launches, an AOTI ``.so``'s too, so the artifact and torch.compile
+    can be compared kernel by kernel when one is slower.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for k in range(calls):
+            run(inputs_list[k % len(inputs_list)])
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
+               if e.self_device_time_total > 0]
+    total = sum(t for _, t, _ in kernels) or 1.0
+    kernels.sort(key=lambda k: -k[1])
+    rows = [{"kernel": name if len(name) <= 90 else name[:87] + "...", "ms_per_call": t / 1e3 / calls,
+             "launches_per_call": n / calls, "share": t / total} for name, t, n in kernels[:top]]
+    return [{"kernel": "(all kernels)", "ms_per_call": total / 1e3 / calls,
+             "launches_per_call": sum(n for _, _, n in kernels) / calls, "share": 1.0}] + rows
 
 
 def _time_case(run: RunFn, inputs_list, warmup: int, runs: int, timer, memory: _Memory, keep_outputs: bool,
@@ -278,7 +303,8 @@ def parse_sizes(items: Sequence[str]) -> Dict[str, List[int]]:
 
 def bench_method(method: str, specs: Sequence[InputSpec], cases: Sequence[Dict[str, int]],
                  candidates: Sequence[Candidate], warmup: int, runs: int, device: str,
-                 input_sets: Optional[int] = None, targets: Targets = TARGETS) -> List[Dict[str, Any]]:
+                 input_sets: Optional[int] = None, targets: Targets = TARGETS,
+                 profile: bool = False) -> List[Dict[str, Any]]:
     """Measure every candidate at every size case on the same inputs; one result per case.
 
     All input sets are drawn (and placed on the device) before any candidate is built, so every candidate
@@ -288,7 +314,7 @@ def bench_method(method: str, specs: Sequence[InputSpec], cases: Sequence[Dict[s
     for sizes in cases:
         count = input_sets or auto_input_sets(set_bytes(specs, sizes), device)
         drawn.append((sizes, draw_inputs(specs, sizes, count, device)))
-    per_candidate = {c.name: bench_candidate(c, drawn, warmup, runs, device) for c in candidates}
+    per_candidate = {c.name: bench_candidate(c, drawn, warmup, runs, device, profile=profile) for c in candidates}
     results = []
     for i, (sizes, inputs) in enumerate(drawn):
         records = {name: recs[i] for name, recs in per_candidate.items()}
@@ -591,6 +617,17 @@ def latency_rows(results: Sequence[Dict[str, Any]]) -> List[List[str]]:
     return rows
 
 
+def kernel_rows(results: Sequence[Dict[str, Any]]) -> List[List[str]]:
+    rows = [["method", "sizes", "candidate", "kernel", "ms per call", "launches per call", "share"]]
+    for r in results:
+        name = f"{r['unit']}: {r['method']}" if r.get("unit") else r["method"]
+        for cand, rec in r["candidates"].items():
+            for k in rec.get("top_kernels") or []:
+                rows.append([name, _sizes(r["sizes"]), cand, k["kernel"], f"{k['ms_per_call']:.3f}",
+                             f"{k['launches_per_call']:g}", f"{100 * k['share']:.0f}%"])
+    return rows
+
+
 def carried_rows(carried: Sequence[Dict[str, Any]]) -> List[List[str]]:
     rows = [["method", "sizes", "carried inputs", "MiB", "copy ms", "share of artifact latency"]]
     for r in carried:
@@ -664,6 +701,9 @@ def render(result: Dict[str, Any], markdown: bool = True) -> str:
                 if what and line not in seen:
                     seen.append(line)
         out += [("- " if markdown else "") + line for line in seen] + [""]
+    kernels = kernel_rows(result.get("methods") or [])
+    if len(kernels) > 1:
+        out += heading("Where the device time goes (top kernels per call, CUDA profiler)") + [table(kernels), ""]
     if result.get("carried_state"):
         out += heading("State passed in and out (per call, against an in-place buffer)") + [
             table(carried_rows(result["carried_state"])), "",
@@ -672,6 +712,9 @@ def render(result: Dict[str, Any], markdown: bool = True) -> str:
     if result.get("rotary"):
         copy = result.get("copy_bandwidth") or {}
         out += heading("Rotary embedding alone") + [table(rotary_rows(result["rotary"])), ""]
+        timings = sorted({r["timing"] for r in result["rotary"] if r.get("timing")})
+        if timings:
+            out += [f"rotary times are device times per call: {'; '.join(timings)}", ""]
         if copy:
             out += [f"device copy bandwidth {copy['gbps']:.1f} GB/s (copy_ of {copy['bytes'] / 2**30:.2f} GiB, "
                     "bytes read + written per copy over its median time)", ""]
@@ -719,10 +762,20 @@ def _finite(value: Any) -> Any:
 
 
 def _one_line(exc: BaseException) -> str:
+    """The error's first line, and its root cause's: dynamo wraps the real error ("RuntimeError when making
+    fake tensor call") and the wrapper alone does not say what failed."""
+    line = _first_line(exc)
+    root = exc
+    while (root.__cause__ or root.__context__) is not None and root is not (root.__cause__ or root.__context__):
+        root = root.__cause__ or root.__context__
+    if root is not exc:
+        line = f"{line} (cause: {_first_line(root)})"
+    return line if len(line) <= 400 else line[:397] + "..."
+
+
+def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
-    line = text.splitlines()[0]
-    line = f"{type(exc).__name__}: {line}"
-    return line if len(line) <= 200 else line[:197] + "..."
+    return f"{type(exc).__name__}: {text.splitlines()[0]}"
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -746,6 +799,8 @@ def build_parser(prog: str = "python -m zoo bench") -> argparse.ArgumentParser:
                    help="torch.compile's dynamic= (auto: true when the unit has dynamic dims, as the artifact "
                         "is compiled once for the whole range; otherwise torch's default)")
     p.add_argument("--rotary", action="store_true", help="also run the rotary-only microbenchmark")
+    p.add_argument("--profile", action="store_true",
+                   help="also list each candidate's top kernels by device time (CUDA profiler, after timing)")
     p.add_argument("--rotary-shape", action="append", default=[], metavar="B,L,H,D",
                    help="rotary case shape (repeatable; default: SmolLM2 at seq 2048 and a 16k-token 24x128 case)")
     p.add_argument("--device", default=None,
@@ -824,7 +879,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[zoo] bench {m} at {len(cases)} size(s) ...", file=sys.stderr, flush=True)
         candidates = run_folder_candidates(run_dir, m, device, args.compile_program, dynamic, not args.no_compile)
         specs = input_specs(io_spec, m)
-        timed = bench_method(m, specs, cases, candidates, args.warmup, args.runs, device, args.input_sets)
+        timed = bench_method(m, specs, cases, candidates, args.warmup, args.runs, device, args.input_sets,
+                             profile=args.profile)
         result["methods"] += timed
         carried = carried_inputs(specs, io_spec["methods"][m].get("outputs") or [])
         if carried:
