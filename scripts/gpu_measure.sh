@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything the docs report from a GPU, in one call on an offline GPU box, jobs side by side:
-#   scripts/gpu_measure.sh BUNDLE_DIR OUT_DIR [--check RECIPE ...] [--bench RUN_RECIPE OVERRIDE ...] [--real ARG ...]...
+#   scripts/gpu_measure.sh BUNDLE_DIR OUT_DIR [--check RECIPE ...] [--bench RUN_RECIPE OVERRIDE ...] [--tests] [--real ARG ...]...
 #
 #   --check   scripts/gpu_check.sh BUNDLE_DIR RECIPE ... : the offline install and the tiny recipes end to end
 #   --bench   python -m zoo.export RUN_RECIPE OVERRIDE ... then `python -m zoo bench RUN --rotary` on that run
+#   --tests   pytest -m gpu tests (every GPU-marked test)
 #   --real    scripts/bench_real_size.py ARG ... (e.g. --units fast_wam --profile); each --real is a job of its
 #             own, so several real-size units lower side by side (ARGs without spaces)
 #
@@ -12,14 +13,15 @@
 # JSON/Markdown, and logs.tar.gz (each job's log, run reports and JSON, no artifacts).
 set -uo pipefail
 if [ $# -lt 2 ] || [ ! -d "$1/wheels" ]; then
-  echo "usage: scripts/gpu_measure.sh BUNDLE_DIR OUT_DIR [--check RECIPE ...] [--bench RECIPE OVERRIDE ...] [--real UNIT ...]" >&2
+  echo "usage: scripts/gpu_measure.sh BUNDLE_DIR OUT_DIR [--check RECIPE ...] [--bench RECIPE OVERRIDE ...] [--tests] [--real ARG ...]..." >&2
   exit 2
 fi
 BUNDLE="$(cd "$1" && pwd)"; OUT="$(mkdir -p "$2" && cd "$2" && pwd)"; shift 2
-CHECK=(); BENCH=(); REAL=(); part=""
+CHECK=(); BENCH=(); REAL=(); TESTS=0; part=""
 for arg in "$@"; do
   case "$arg" in
     --check|--bench) part="$arg" ;;
+    --tests) TESTS=1; part="" ;;
     --real) part="$arg"; REAL+=("") ;;
     *) case "$part" in
          --check) CHECK+=("$arg") ;; --bench) BENCH+=("$arg") ;;
@@ -58,6 +60,11 @@ if [ ${#BENCH[@]} -gt 0 ]; then
     timeout "$LIMIT" "$PY" -m zoo bench "$run" --rotary --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
       >> "$WORK/logs/bench.log" 2>&1
     echo "bench exit $?" >> "$WORK/logs/bench.log" ) &
+  pids+=($!)
+fi
+if [ "$TESTS" = 1 ]; then
+  ( timeout "$LIMIT" "$PY" -m pytest -q -p no:cacheprovider -m gpu -rA tests > "$WORK/logs/tests.log" 2>&1
+    echo "pytest -m gpu exit $?" >> "$WORK/logs/tests.log" ) &
   pids+=($!)
 fi
 for i in "${!REAL[@]}"; do

@@ -452,8 +452,17 @@ def load_program_module(path: Path, device: str) -> torch.nn.Module:
 
     ep = torch.export.load(str(path))
     if torch.device(device).type != "cpu":
-        ep = move_to_device_pass(ep, device)
+        ep = move_to_device_pass(ep, indexed_device(device))
     return ep.module()
+
+
+def indexed_device(device: str) -> str:
+    """``cuda`` -> ``cuda:N`` (the current device). A program moved to plain "cuda" asserts its tensors' device
+    exactly, and under torch.compile "cuda" != "cuda:0" fails (seen on an H200)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(dev)
 
 
 def module_runner(module: Callable[..., Any]) -> RunFn:
@@ -712,6 +721,10 @@ def render(result: Dict[str, Any], markdown: bool = True) -> str:
     if result.get("rotary"):
         copy = result.get("copy_bandwidth") or {}
         out += heading("Rotary embedding alone") + [table(rotary_rows(result["rotary"])), ""]
+        launched = [[r["case"], k["kernel"], f"{k['launches_per_call']:g}", f"{1e3 * k['ms_per_call']:.1f}"]
+                    for r in result["rotary"] for k in (r.get("pairs_kernels") or [])[1:]]
+        if launched:
+            out += [table([["case", "real-pair kernel", "launches per call", "us per call"]] + launched), ""]
         timings = sorted({r["timing"] for r in result["rotary"] if r.get("timing")})
         if timings:
             out += [f"rotary times are device times per call: {'; '.join(timings)}", ""]

@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .bench import TARGETS, auto_input_sets, judge_at_least, measure, timer_for
+from .bench import TARGETS, auto_input_sets, indexed_device, judge_at_least, measure, timer_for, top_kernels
 from .bench_timing import measure_device_time
 from .errors import RewriteDeclined, ZooError
 from .numerics import compare
@@ -108,9 +108,7 @@ def bench_case(case: RotaryCase, device: str, runs: int, warmup: int, copy_gbps:
     module = ComplexRope(angle_table(length, d))
     example = torch.randn(case.shape).to(dtype)
     program = rewritten_rope(module, example)
-    if torch.device(device).type == "cuda" and torch.device(device).index is None:
-        # The moved program asserts its tensors' device exactly: "cuda" != "cuda:0" (seen on an H200).
-        device = f"cuda:{torch.cuda.current_device()}"
+    device = indexed_device(device)
     if torch.device(device).type != "cpu":
         program = move_to_device_pass(program, device)
     pairs = program.module()
@@ -127,6 +125,8 @@ def bench_case(case: RotaryCase, device: str, runs: int, warmup: int, copy_gbps:
         # Device time, like the copy it is compared with: the kernels, not the Python that launches them.
         eager_stats, timing = measure_device_time(eager, inputs, warmup, runs, device)
         pairs_stats, _ = measure_device_time(pairs, inputs, warmup, runs, device)
+        # What the real-pair call launches: one fused kernel is the goal; several mean extra passes over x.
+        kernels = top_kernels(lambda args: [pairs(args[0])], [[x] for x in inputs]) if device != "cpu" else []
     moved = rope_bytes(case.shape, dtype)
     gbps = moved / (pairs_stats.median * 1e-3) / 1e9
     fraction = gbps / copy_gbps if copy_gbps else None
@@ -135,6 +135,7 @@ def bench_case(case: RotaryCase, device: str, runs: int, warmup: int, copy_gbps:
         "eager": {"what": "complex64 math, eager", "stats": eager_stats.as_dict()},
         "pairs": {"what": "rewritten real pairs, " + ("torch.compile (Inductor)" if compile else "not compiled"),
                   "stats": pairs_stats.as_dict()},
+        "pairs_kernels": kernels,
         "speedup": eager_stats.median / pairs_stats.median,
         "bytes_per_call": moved, "pairs_gbps": gbps, "copy_fraction": fraction,
         "target": judge_at_least(fraction, TARGETS.rotary_copy_fraction),

@@ -178,5 +178,4 @@ def measure_device_time(fn: Callable[[Any], Any], inputs_list: Sequence[Any], wa
     per_call = 1.0 / len(inputs_list)
     stats = Stats(median=replays.median * per_call, p10=replays.p10 * per_call, p90=replays.p90 * per_call,
                   mean=replays.mean * per_call, stdev=replays.stdev * per_call, n=replays.n)
-    del graph
     return stats, f"cuda_graph_replay ({len(inputs_list)} calls per replay)"
