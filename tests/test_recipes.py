@@ -110,6 +110,7 @@ def test_override_without_equals(tmp_path):
     ("verify.seeds=[]", "verify.seeds is empty"),
     ("verify.tolerance.float32=0", "is not positive"),
     ("source.repo_id=not a repo", "is not a Hub repo id"),
+    ("source.fabricate_dtype=int8", "source.fabricate_dtype='int8'"),
 ])
 def test_bad_values_are_refused(tmp_path, item, words):
     with pytest.raises(RecipeError) as err:
