@@ -350,14 +350,11 @@ def run_unit(spec: UnitSpec, args, out_dir: Path, results: Dict[str, Any]) -> No
                     r["unit"] = unit_name
                     results["methods"].append(r)
                     report.record("bench", [x for x in results["methods"] if x.get("unit") == unit_name])
-                carried = bench.carried_inputs(specs, unit.methods[m].output_names)
-                if carried:  # the io KV pool: what handing it back costs per call
-                    medians = [((r["candidates"].get("artifact") or {}).get("stats") or {}).get("median")
-                               for r in timed]
-                    for r in bench.carried_state_cost(m, specs, carried, cases, medians, args.warmup, args.runs,
-                                                      args.device, args.input_sets):
-                        r["unit"] = unit_name
-                        results.setdefault("carried_state", []).append(r)
+                # The io KV pool: what handing it back costs per call.
+                for r in bench.carried_state_cost(m, specs, unit.methods[m].output_names, timed, args.warmup,
+                                                  args.runs, args.device, args.input_sets):
+                    r["unit"] = unit_name
+                    results.setdefault("carried_state", []).append(r)
             facts["detail"] = f"{len(cases)} size(s) x {len(methods)} method(s)"
         record["status"] = "done"
         if params > SAVE_PROGRAMS_MAX_BYTES and not args.keep_artifacts:

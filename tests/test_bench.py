@@ -209,8 +209,10 @@ def test_carried_state_is_the_inputs_handed_back_and_its_copy_is_timed_against_t
     outputs = ["pred", "k_pool_next", "v_pool_next"]
     assert bench.carried_inputs(specs, outputs) == [1, 2]
     assert bench.carried_inputs(specs, ["pred"]) == []
-    rows = bench.carried_state_cost("step", specs, [1, 2], [{"n": 3}, {"n": 5}], [2.0, None], warmup=1, runs=4,
-                                    device="cpu", input_sets=2)
+    timed = [{"sizes": {"n": 3}, "candidates": {"artifact": {"stats": {"median": 2.0}}}},
+             {"sizes": {"n": 5}, "candidates": {"artifact": {"skipped": "the artifact runs only on a CUDA device"}}}]
+    assert bench.carried_state_cost("step", specs, ["pred"], timed, warmup=1, runs=4, device="cpu") == []
+    rows = bench.carried_state_cost("step", specs, outputs, timed, warmup=1, runs=4, device="cpu", input_sets=2)
     assert [r["sizes"] for r in rows] == [{"n": 3}, {"n": 5}]
     # 2*3*8 float32 + 2*3*8 bfloat16 = 192 + 96 bytes; at n=5: 320 + 160.
     assert [r["bytes"] for r in rows] == [288, 480] and rows[0]["inputs"] == ["k_pool", "v_pool"]

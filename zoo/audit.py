@@ -131,7 +131,9 @@ class AuditResult:
         record.pop("path")
         return record
 
-    def table(self) -> str:
+    def table(self, title: bool = False) -> str:
+        """The audit tables; ``title`` names the audited path first (the command line). Reports leave it out:
+        the pipeline audits a staging folder whose name means nothing once the run is moved into place."""
         from .report import format_table
 
         methods = format_table([["method", ".so bytes", "aoti_torch symbols", "dtypes"]]
@@ -140,7 +142,9 @@ class AuditResult:
         for release, version in self.releases.items():
             missing = sorted({s for m in self.methods for s in m.missing[release]})
             rows.append([release, version, "yes" if self.loadable(release) else "NO", ", ".join(missing) or "-"])
-        text = f"runtime audit of {Path(self.path).name}\n{methods}\n\n{format_table(rows)}"
+        text = f"{methods}\n\n{format_table(rows)}"
+        if title:
+            text = f"runtime audit of {Path(self.path).name}\n{text}"
         if self.notes:
             text += "\n\n" + "\n".join(f"- {note}" for note in self.notes)
         return text
@@ -242,6 +246,6 @@ def audit_main(argv: Optional[Sequence[str]] = None) -> int:
     except ZooError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    print(json.dumps(result.as_dict(), indent=2) if args.json else result.table())
+    print(json.dumps(result.as_dict(), indent=2) if args.json else result.table(title=True))
     ok = result.loadable(args.require) if args.require else bool(result.loadable_releases())
     return 0 if ok else 1

@@ -334,19 +334,23 @@ def carried_inputs(specs: Sequence[InputSpec], output_names: Sequence[str]) -> L
     return [i for i, spec in enumerate(specs) if f"{spec.name}_next" in returned]
 
 
-def carried_state_cost(method: str, specs: Sequence[InputSpec], carried: Sequence[int],
-                       cases: Sequence[Dict[str, int]], artifact_medians: Sequence[Optional[float]],
-                       warmup: int, runs: int, device: str, input_sets: Optional[int] = None) -> List[Dict[str, Any]]:
+def carried_state_cost(method: str, specs: Sequence[InputSpec], output_names: Sequence[str],
+                       timed: Sequence[Dict[str, Any]], warmup: int, runs: int, device: str,
+                       input_sets: Optional[int] = None) -> List[Dict[str, Any]]:
     """What passing state in and out costs per call, against an in-place buffer: one copy of each carried input.
 
     A method that returns an updated pool as a new tensor (``index_copy``, not ``index_copy_``) must write the
     whole pool, not just the new slots: an AOTI ``.so`` may not overwrite its inputs. That copy is timed here
     alone, on the same rotated input sets and timer as the candidates, and reported as a fraction of the
-    artifact's median latency at the same sizes.
+    artifact's median latency at the same sizes (``timed``: ``bench_method``'s results). Empty when the
+    method carries nothing.
     """
+    carried = carried_inputs(specs, output_names)
     names = [specs[i].name for i in carried]
     rows = []
-    for sizes, art in zip(cases, artifact_medians):
+    for result in timed if carried else ():
+        sizes = result["sizes"]
+        art = ((result["candidates"].get("artifact") or {}).get("stats") or {}).get("median")
         per_set = [specs[i] for i in carried]
         count = input_sets or auto_input_sets(set_bytes(per_set, sizes), device)
         drawn = [(sizes, draw_inputs(per_set, sizes, count, device))]
@@ -895,12 +899,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         timed = bench_method(m, specs, cases, candidates, args.warmup, args.runs, device, args.input_sets,
                              profile=args.profile)
         result["methods"] += timed
-        carried = carried_inputs(specs, io_spec["methods"][m].get("outputs") or [])
+        carried = carried_state_cost(m, specs, io_spec["methods"][m].get("outputs") or [], timed, args.warmup,
+                                     args.runs, device, args.input_sets)
         if carried:
-            medians = [((r["candidates"].get("artifact") or {}).get("stats") or {}).get("median") for r in timed]
-            result.setdefault("carried_state", []).extend(
-                carried_state_cost(m, specs, carried, cases, medians, args.warmup, args.runs, device,
-                                   args.input_sets))
+            result.setdefault("carried_state", []).extend(carried)
     if args.rotary or args.rotary_shape:
         from .bench_rotary import DEFAULT_CASES, parse_case, run_rotary
 
