@@ -238,32 +238,29 @@ def unit_candidates(unit: ExportUnit, method: str, unit_dir: Path, device: str, 
 
 
 class Stages:
-    """Times each stage into the unit's record and its run report; a failure ends the unit, not the run."""
+    """Each stage timed and recorded by the pipeline's own ``timed_stage`` into the unit's run report; the
+    unit's record mirrors the report's stages for the bench table. A failure ends the unit, not the run."""
 
     def __init__(self, record: Dict[str, Any], report: RunReport):
         self.record, self.report = record, report
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[Dict[str, Any]]:
-        say(f"{self.record['unit']}: {name} ...")
-        facts: Dict[str, Any] = {}
-        start = time.perf_counter()
+        from zoo.pipeline import timed_stage
+
         try:
-            yield facts
-        except BaseException as exc:
-            seconds = round(time.perf_counter() - start, 3)
-            self.record["stages"][name] = {"status": "failed", "seconds": seconds, "detail": one_line(exc)}
-            self.report.stage(name, "failed", seconds, one_line(exc))
-            raise
-        seconds = round(time.perf_counter() - start, 3)
-        status = facts.get("status", "done")
-        self.record["stages"][name] = {"status": status, "seconds": seconds, "detail": facts.get("detail", "")}
-        self.report.stage(name, status, seconds, str(facts.get("detail", "")))
-        say(f"{self.record['unit']}: {name} {status} in {seconds:.1f} s")
+            with timed_stage(self.report, name, f"{self.record['unit']}: {name}") as facts:
+                yield facts
+        finally:
+            self._mirror()
 
     def skip(self, name: str, why: str) -> None:
-        self.record["stages"][name] = {"status": "skipped", "seconds": None, "detail": why}
         self.report.stage(name, "skipped", None, why)
+        self._mirror()
+
+    def _mirror(self) -> None:
+        self.record["stages"] = {s["stage"]: {"status": s["status"], "seconds": s["seconds"], "detail": s["detail"]}
+                                 for s in self.report.stages}
 
 
 def run_unit(spec: UnitSpec, args, out_dir: Path, results: Dict[str, Any]) -> None:
@@ -361,9 +358,9 @@ def run_unit(spec: UnitSpec, args, out_dir: Path, results: Dict[str, Any]) -> No
             drop_large_weights(unit_dir, record)
     except Exception as exc:  # one unit failing (out of memory, a lowering refusal) must not lose the others
         record["status"] = "failed"
-        record["error"] = one_line(exc)
+        record["error"] = bench.error_line(exc)
         record["traceback"] = traceback.format_exc(limit=8)
-        say(f"{unit_name} failed: {one_line(exc)}")
+        say(f"{unit_name} failed: {bench.error_line(exc)}")
     finally:
         report.record("status", record.get("status", "failed"))
         report.write()
@@ -420,12 +417,6 @@ def say(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def one_line(exc: BaseException) -> str:
-    text = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-    line = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return f"{type(exc).__name__}: {line}"[:300]
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scripts/bench_real_size.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -477,8 +468,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             results.update(run_rotary(device, runs=args.runs, warmup=args.warmup, compile=not args.no_compile,
                                       copy_bytes=(1 << 30) if device != "cpu" else (64 << 20)))
         except Exception as exc:  # the rotary numbers are one section; the units still run
-            results["rotary_error"] = one_line(exc)
-            say(f"rotary failed: {one_line(exc)}")
+            results["rotary_error"] = bench.error_line(exc)
+            say(f"rotary failed: {bench.error_line(exc)}")
         flush()
     for spec in specs:
         run_unit(spec, argparse.Namespace(**{**vars(args), "device": device}), out_dir, results)

@@ -166,7 +166,7 @@ def bench_candidate(candidate: Candidate, cases: Sequence[Tuple[Dict[str, int], 
         run = candidate.build()
     except Exception as exc:  # a candidate that cannot be built is reported, the bench goes on
         candidate.teardown()
-        return [{"error": f"build failed: {_one_line(exc)}"} for _ in cases]
+        return [{"error": f"build failed: {error_line(exc)}"} for _ in cases]
     build_s = time.perf_counter() - start
     try:
         with torch.no_grad():
@@ -177,7 +177,7 @@ def bench_candidate(candidate: Candidate, cases: Sequence[Tuple[Dict[str, int], 
                     if profile and dev.type == "cuda":
                         records[-1]["top_kernels"] = top_kernels(run, inputs_list)
                 except Exception as exc:  # e.g. out of memory at one size: record it, try the next size
-                    records.append({"error": f"run failed at sizes {sizes}: {_one_line(exc)}"})
+                    records.append({"error": f"run failed at sizes {sizes}: {error_line(exc)}"})
     finally:
         del run
         candidate.teardown()
@@ -778,7 +778,7 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _one_line(exc: BaseException) -> str:
+def error_line(exc: BaseException) -> str:
     """The error's first line, and its root cause's: dynamo wraps the real error ("RuntimeError when making
     fake tensor call") and the wrapper alone does not say what failed."""
     line = _first_line(exc)
@@ -913,7 +913,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             result.update(run_rotary(device, runs=args.runs, warmup=args.warmup, cases=cases_r,
                                      compile=not args.no_compile))
         except Exception as exc:  # noqa: BLE001 - reported in the results and on stderr
-            result["rotary_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            result["rotary_error"] = error_line(exc)
             print(f"[zoo] rotary benchmark failed: {result['rotary_error']}", file=sys.stderr)
     write_results(result, args.json or run_dir / BENCH_JSON, args.markdown or run_dir / BENCH_MD)
     print(render(result, markdown=False))

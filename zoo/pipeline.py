@@ -106,7 +106,7 @@ def source_environment(recipe, report: RunReport) -> Iterator[None]:
     from . import tiny_hub
 
     with contextlib.ExitStack() as stack:
-        with _stage(report, "fabricate", "fabricate tiny checkpoint") as facts:
+        with timed_stage(report, "fabricate", "fabricate tiny checkpoint") as facts:
             cache = stack.enter_context(tiny_hub.fabricated_hub(recipe))
             facts["detail"] = f"seeded random weights (seed {recipe.source.seed}) in {cache}"
         yield
@@ -117,7 +117,7 @@ def source_environment(recipe, report: RunReport) -> Iterator[None]:
 
 
 def pull_step(recipe, run_dir: Path, report: RunReport) -> hub.Checkpoint:
-    with _stage(report, "pull", f"pull {recipe.source.local_dir or recipe.source.repo_id}") as facts:
+    with timed_stage(report, "pull", f"pull {recipe.source.local_dir or recipe.source.repo_id}") as facts:
         checkpoint = hub.pull(recipe)
         source = checkpoint.as_dict()
         report.record("source", source)
@@ -131,7 +131,7 @@ def build_step(checkpoint: hub.Checkpoint, recipe, run_dir: Path, report: RunRep
     """Build the unit with the family module, then write what the deploy side needs besides the .pte."""
     from .policies import load_family
 
-    with _stage(report, "build", f"build {recipe.family} export unit") as facts:
+    with timed_stage(report, "build", f"build {recipe.family} export unit") as facts:
         family = load_family(recipe.family)
         unit = family.build_unit(checkpoint.path, recipe)
         exporting.check_methods(unit, recipe)
@@ -153,7 +153,7 @@ def export_step(unit: ExportUnit, recipe, run_dir: Path,
     record: Dict[str, Any] = {"example_sizes": sizes, "methods": {}}
     programs: Dict[str, ExportedProgram] = {}
     reference: Optional[ExportUnit] = None
-    with _stage(report, "export", f"torch.export {', '.join(recipe.unit.methods)}") as facts:
+    with timed_stage(report, "export", f"torch.export {', '.join(recipe.unit.methods)}") as facts:
         for name in recipe.unit.methods:
             start = time.perf_counter()
             programs[name] = exporting.export_method(unit.methods[name], recipe, sizes)
@@ -173,7 +173,7 @@ def export_step(unit: ExportUnit, recipe, run_dir: Path,
 
 
 def rewrite_step(programs: Dict[str, ExportedProgram], recipe, report: RunReport) -> Dict[str, ExportedProgram]:
-    with _stage(report, "rewrite", f"rewrite ({', '.join(recipe.rewrites) or 'none'})") as facts:
+    with timed_stage(report, "rewrite", f"rewrite ({', '.join(recipe.rewrites) or 'none'})") as facts:
         out, record = {}, {}
         for name, ep in programs.items():
             out[name], record[name] = apply_rewrites(ep, recipe, name)
@@ -185,7 +185,7 @@ def rewrite_step(programs: Dict[str, ExportedProgram], recipe, report: RunReport
 
 def cpu_check_step(unit: ExportUnit, programs: Dict[str, ExportedProgram], recipe, report: RunReport,
                    reference: Optional[ExportUnit] = None) -> Dict[str, Any]:
-    with _stage(report, "cpu_check", "check rewritten programs against eager on the CPU") as facts:
+    with timed_stage(report, "cpu_check", "check rewritten programs against eager on the CPU") as facts:
         try:
             result = cpu_check(unit, programs, recipe, reference)
         except ZooError as exc:
@@ -197,7 +197,7 @@ def cpu_check_step(unit: ExportUnit, programs: Dict[str, ExportedProgram], recip
 
 
 def save_step(programs: Dict[str, ExportedProgram], recipe, run_dir: Path, report: RunReport) -> None:
-    with _stage(report, "save", "save rewritten programs") as facts:
+    with timed_stage(report, "save", "save rewritten programs") as facts:
         files = []
         for name, ep in programs.items():
             path = run_dir / program_file("rewritten", name)
@@ -326,7 +326,7 @@ def save_program(ep: ExportedProgram, path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _stage(report: RunReport, name: str, label: str) -> Iterator[Dict[str, Any]]:
+def timed_stage(report: RunReport, name: str, label: str) -> Iterator[Dict[str, Any]]:
     """Announce, time and record one stage; a failure is recorded as this stage's and re-raised."""
     say(f"{label} ...")
     facts: Dict[str, Any] = {}
