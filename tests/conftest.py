@@ -77,6 +77,17 @@ class ToyRope(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, length, dim))
 
 
+class ToyPermuted(nn.Module):
+    """Uses its inputs in the order c, b, a: the partition's first-use order puts them in the .so that way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return self.proj(c) * b + a
+
+
 class ToyPool(nn.Module):
     """A pool of ``slots`` rows shared by two methods: ``write`` stores projected rows at host-chosen slots
     (in place, like LingBot's KV pool), ``read`` attends over the whole pool."""

@@ -18,21 +18,12 @@ from zoo import audit
 from zoo.errors import LoweringError, NoGpuError
 from zoo.recipes import Lowering, Recipe, Source, Unit
 
+from conftest import ToyPermuted
+
 _spec = importlib.util.spec_from_file_location("zoo_test_fake_cuda",
                                                Path(__file__).resolve().parent / "fixtures" / "fake_cuda.py")
 fake_cuda = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake_cuda)
-
-
-class Permuted(nn.Module):
-    """Uses its inputs in the order c, b, a: the partition's first-use order puts them in the .so that way."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(4, 4)
-
-    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return self.proj(c) * b + a
 
 
 class Pool(nn.Module):
@@ -58,7 +49,7 @@ def recipe(methods) -> Recipe:
 
 def programs():
     with torch.no_grad():
-        return {"permuted": torch.export.export(Permuted(), (torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4))),
+        return {"permuted": torch.export.export(ToyPermuted(), (torch.randn(2, 4), torch.randn(2, 4), torch.randn(2, 4))),
                 "pool": torch.export.export(Pool(), (torch.randn(2, 4), torch.tensor([3, 9])))}
 
 

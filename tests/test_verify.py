@@ -29,6 +29,8 @@ from zoo.errors import NoGpuError, VerificationFailed
 from zoo.policies.base import InputSpec
 from zoo.recipes import Tolerance, load_recipe
 
+from conftest import ToyPermuted
+
 _spec = importlib.util.spec_from_file_location("zoo_test_fake_cuda",
                                                Path(__file__).resolve().parent / "fixtures" / "fake_cuda.py")
 fake_cuda = importlib.util.module_from_spec(_spec)
@@ -158,15 +160,6 @@ def test_inputs_are_fresh_and_seeded():
 # --- 2. a whole run folder -------------------------------------------------------------------------------------
 
 
-class Permuted(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(4, 4)
-
-    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        return self.proj(c) * b + a
-
-
 def _angles() -> torch.Tensor:
     return torch.arange(16, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(4, dtype=torch.float64) / 4)
 
@@ -245,7 +238,7 @@ def run_folder(tmp_path_factory):
     length = torch.export.Dim("length", min=2, max=16)
     with torch.no_grad():
         exported = {
-            "permuted": torch.export.export(Permuted(), tuple(torch.randn(2, 4) for _ in range(3))),
+            "permuted": torch.export.export(ToyPermuted(), tuple(torch.randn(2, 4) for _ in range(3))),
             "rope": torch.export.export(RopeComplex(proj), (torch.randn(1, 6, 8),), dynamic_shapes=({1: length},)),
             "pool": torch.export.export(Pool(), (torch.randn(2, 4), torch.tensor([1, 2]))),
         }
