@@ -15,6 +15,8 @@ import shutil
 from pathlib import Path
 from typing import Iterator, Optional
 
+from .environ import environ_restored
+
 
 def tiny_cache_dir() -> Path:
     """zoo's own cache for fabricated tiny checkpoints; ZOO_TINY_HUB_CACHE is read at call time so tests and
@@ -60,21 +62,17 @@ def hub_environment(cache_dir: Optional[Path] = None, offline: Optional[bool] = 
     """
     from huggingface_hub import constants
 
-    saved_env = {k: os.environ.get(k) for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE")}
-    saved_const = {k: getattr(constants, k) for k in ("HF_HUB_CACHE", "HF_HUB_OFFLINE")}
-    try:
-        if cache_dir is not None:
-            os.environ["HF_HUB_CACHE"] = str(cache_dir)
-            constants.HF_HUB_CACHE = str(cache_dir)
-        if offline is not None:
-            os.environ["HF_HUB_OFFLINE"] = "1" if offline else "0"
-            constants.HF_HUB_OFFLINE = bool(offline)
-        yield
-    finally:
-        for key, value in saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        for key, value in saved_const.items():
-            setattr(constants, key, value)
+    keys = ("HF_HUB_CACHE", "HF_HUB_OFFLINE")
+    saved_const = {k: getattr(constants, k) for k in keys}
+    with environ_restored(keys):
+        try:
+            if cache_dir is not None:
+                os.environ["HF_HUB_CACHE"] = str(cache_dir)
+                constants.HF_HUB_CACHE = str(cache_dir)
+            if offline is not None:
+                os.environ["HF_HUB_OFFLINE"] = "1" if offline else "0"
+                constants.HF_HUB_OFFLINE = bool(offline)
+            yield
+        finally:
+            for key, value in saved_const.items():
+                setattr(constants, key, value)

@@ -36,6 +36,7 @@ import torch
 from torch.export import ExportedProgram
 
 from . import atomic
+from .environ import environ_restored
 from .errors import LoweringError, NoGpuError
 
 PTE_NAME = "model.pte"
@@ -171,20 +172,12 @@ def inductor_settings(max_mm_configs: Optional[int]) -> Iterator[Dict[str, Any]]
         "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(inductor_cache_dir()),
     }
     Path(env["TORCHINDUCTOR_CACHE_DIR"]).mkdir(parents=True, exist_ok=True)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     patch = {"max_autotune_prune_choices_based_on_shared_mem": True,
              "test_configs.max_mm_configs": max_mm_configs}
-    try:
-        with inductor_config.patch(patch):
-            yield {"inductor_cache_dir": env["TORCHINDUCTOR_CACHE_DIR"], "max_mm_configs": max_mm_configs,
-                   "prune_choices_based_on_shared_mem": True}
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with environ_restored(env), inductor_config.patch(patch):
+        os.environ.update(env)
+        yield {"inductor_cache_dir": env["TORCHINDUCTOR_CACHE_DIR"], "max_mm_configs": max_mm_configs,
+               "prune_choices_based_on_shared_mem": True}
 
 
 def compile_specs(method: str, triton_kernel_mode: str) -> list:
