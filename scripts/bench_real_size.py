@@ -157,7 +157,7 @@ def build_fast_wam(recipe, work: Path) -> ExportUnit:
     from zoo.hub_cache import hub_environment, put_in_cache
     from zoo.policies import fast_wam
 
-    fields = dict(recipe.unit.options.get("fabricate_config") or {})  # empty: FastWAMConfig's real defaults
+    fields = dict(recipe.unit.options.fabricate_config)  # empty: FastWAMConfig's real defaults
     for key in ("video_dit_config", "action_dit_config"):
         if key in fields:
             fields[key] = dict(fields[key])

@@ -4,9 +4,11 @@ Every test session runs with no network and never touches the user's caches: HF_
 HF_HUB_CACHE and zoo's tiny-checkpoint cache point into a throw-away folder (set before anything imports
 huggingface_hub, which reads them at import; subprocesses inherit them).
 
-Also here: a toy policy family (``toy_family`` fixture) so the pipeline, hub and CLI can be tested end to end
-without lerobot: a tiny Meta-style complex-rotary attention ("rope" kind) and a two-method unit sharing a
-mutable pool buffer written with ``index_copy_`` ("pool" kind, LingBot's KV-pool protocol in miniature).
+Also here: a toy policy family (``family: toy``; the ``toy_family`` fixture) so the pipeline, hub and CLI can be
+tested end to end without lerobot. It is found as ``zoo.policies.toy`` like a shipped family: tests/families
+(``toy.py``, ``toy_options.py``) is added to zoo.policies' search path below. It builds a tiny Meta-style
+complex-rotary attention ("rope" kind) or a two-method unit sharing a mutable pool buffer written with
+``index_copy_`` ("pool" kind, LingBot's KV-pool protocol in miniature).
 Its checkpoint has the real layout (config.json + model.safetensors + a processor file) and it loads
 strictly, raising zoo errors for a wrong model type or missing/mismatched weights as the real families do.
 """
@@ -32,10 +34,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+import zoo.policies  # noqa: E402
 from zoo.errors import PullError  # noqa: E402
 from zoo.policies.base import ExportUnit, InputSpec, MethodSpec  # noqa: E402
 
 TEST_RECIPES = Path(__file__).resolve().parent / "recipes"
+TEST_FAMILIES = Path(__file__).resolve().parent / "families"
+# The toy family, by zoo's convention: zoo.policies.toy and zoo.policies.toy_options (tests/families).
+zoo.policies.__path__.append(str(TEST_FAMILIES))
 TOY_MODEL_TYPE = "zoo_toy"
 
 
@@ -127,15 +133,15 @@ def toy_weight_shapes(config: Dict) -> Dict[str, tuple]:
 
 
 class ToyFamily:
-    """Stands in for zoo.policies.<family> with the same two functions."""
+    """The toy family's two functions (tests/families/toy.py makes them zoo.policies.toy's)."""
 
     @staticmethod
     def fabricate_checkpoint(recipe, work_dir: Path) -> Dict[str, Path]:
         from safetensors.torch import save_file
 
-        opts = recipe.unit.options
-        config = {"model_type": TOY_MODEL_TYPE, "kind": opts.get("kind", "rope"), "dim": int(opts.get("dim", 16)),
-                  "heads": int(opts.get("heads", 2)), "slots": int(opts.get("slots", 6))}
+        opts = recipe.unit.options  # ToyOptions
+        config = {"model_type": TOY_MODEL_TYPE, "kind": opts.kind, "dim": opts.dim, "heads": opts.heads,
+                  "slots": opts.slots}
         g = torch.Generator().manual_seed(int(recipe.source.seed))
         folder = Path(work_dir) / "policy"
         folder.mkdir(parents=True)
@@ -156,7 +162,7 @@ class ToyFamily:
         from safetensors.torch import load_file
 
         checkpoint_dir = Path(checkpoint_dir)
-        if recipe.unit.options.get("load_aux"):
+        if recipe.unit.options.load_aux:
             # Like Fast-WAM's VAE: a repo the policy loads by Hub id, through whatever cache is configured.
             from huggingface_hub import snapshot_download
 
@@ -200,12 +206,9 @@ class ToyFamily:
 
 
 @pytest.fixture
-def toy_family(monkeypatch):
-    """Make every family name load the toy family (the test recipes say family: llama)."""
-    import zoo.policies
-
-    monkeypatch.setattr(zoo.policies, "load_family", lambda name: ToyFamily)
-    return ToyFamily
+def toy_family():
+    """The toy family module, loaded as the pipeline loads it (the test recipes say family: toy)."""
+    return zoo.policies.load_family("toy")
 
 
 @pytest.fixture

@@ -56,13 +56,14 @@ def test_overrides_apply_with_types(tmp_path):
     path = write(tmp_path, "m", MINIMAL)
     recipe = load_recipe(str(path), ["unit.dtype=bfloat16", "verify.seeds=[3,4]", "dynamic.seq.max=20",
                                      "verify.tolerance.float32=2e-5", "source.revision=v1.0",
-                                     "unit.options.layers=3", "lowering.max_mm_configs=null"])
+                                     "unit.options.fabricate_config.num_hidden_layers=3",
+                                     "lowering.max_mm_configs=null"])
     assert recipe.unit.dtype == "bfloat16"
     assert recipe.verify.seeds == [3, 4]
     assert recipe.dynamic["seq"].max == 20
     assert recipe.verify.tolerance.float32 == 2e-5
     assert recipe.source.revision == "v1.0"
-    assert recipe.unit.options == {"layers": 3}
+    assert recipe.unit.options.fabricate_config == {"num_hidden_layers": 3}  # llama's options (LlamaOptions)
     assert recipe.lowering.max_mm_configs is None
 
 
@@ -200,13 +201,17 @@ def test_expected_type_words():
     assert expected_type("dynamic.seq.max") == "int"
     assert expected_type("source.local_dir") == "str or null"
     assert expected_type("verify.sizes") == "a mapping to a list of int"
-    assert expected_type("unit.options.anything") == "any value"
+    assert expected_type("unit.options.anything") == "any value"  # no family: options are not typed yet
     assert expected_type("unit.nope") is None
+    # With a family, unit.options.* are its options dataclass's fields.
+    assert expected_type("unit.options.num_inference_steps", "fast_wam") == "int or null"
+    assert expected_type("unit.options.fabricate_config.anything", "llama") == "any value"
+    assert expected_type("unit.options.anything", "fast_wam") is None
 
 
 def test_summary_row(test_recipe):
     row = test_recipe("toy-rope").summary()
-    assert row == {"name": "toy-rope", "family": "llama", "hub": "zoo-test/toy-rope", "methods": "forward",
+    assert row == {"name": "toy-rope", "family": "toy", "hub": "zoo-test/toy-rope", "methods": "forward",
                    "dtype": "float32",
                    "notes": "fabricated weights, offline; dynamic seq 2..24; Toy complex-rotary attention"}
     pinned = test_recipe("toy-pool", "source.revision=v2").summary()

@@ -4,6 +4,10 @@ The schema is a tree of dataclasses. omegaconf's structured mode rejects keys th
 values of the wrong type; ``Recipe.validate`` then checks what types cannot (allowed words, ranges).
 Overrides use omegaconf dotted keys: ``unit.dtype=bfloat16 verify.seeds=[0,1,2]``.
 
+``unit.options`` is typed by the recipe's family: its options dataclass (``zoo/policies/<family>_options.py``,
+see ``zoo.policies``) is merged into the schema before the file, so option keys get the same checks, errors
+and did-you-mean as every other key.
+
 A recipe's name is its file name without ``.yaml``. Names follow timm's ``arch.tag`` style: ``llama-rope``,
 ``lingbot-va.libero-long`` (a variant of lingbot-va pinned to another Hub id), ``llama-rope-tiny``.
 """
@@ -19,16 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from . import policies
 from .errors import RecipeError
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 DTYPES = ("float32", "bfloat16", "float64")
 PAIR_DTYPES = ("float32", "float64")
-FAMILIES = ("llama", "lingbot_va", "fast_wam")
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -53,8 +57,9 @@ class Source:
 class Unit:
     methods: List[str] = MISSING  # the export unit's methods, e.g. [video_step, action_step]
     dtype: str = "float32"  # compute dtype of the unit
-    # Family-specific knobs (layer count, static grid sizes, KV pool size, ...). Each family validates its own.
-    options: Dict[str, Any] = field(default_factory=dict)
+    # Family-specific knobs (policy config, fabricated sizes, steps, ...). Loading types them with the family's
+    # options dataclass (zoo.policies.options_class); a Recipe built in code may hold a plain mapping.
+    options: Any = field(default_factory=dict)
 
 
 @dataclass
@@ -101,7 +106,7 @@ class Publish:
 class Recipe:
     name: str = MISSING  # defaults to the YAML file's name; if given, it must equal it
     description: str = ""
-    family: str = MISSING  # module in zoo/policies/
+    family: str = MISSING  # a module in zoo/policies/ (zoo.policies.family_names())
     source: Source = field(default_factory=Source)
     unit: Unit = field(default_factory=Unit)
     # Example input sizes the family reads (e.g. seq_len, frames, text_len); family-specific. A size named
@@ -129,7 +134,14 @@ class Recipe:
         def fail(what: str, hint: str) -> None:
             raise RecipeError(f"recipe {self.name!r}: {what}", hint)
 
-        need(self.family in FAMILIES, "family", self.family, FAMILIES)
+        families = policies.family_names()
+        need(self.family in families, "family", self.family, families)
+        options = self.unit.options
+        if isinstance(options, policies.FamilyOptions):
+            if not isinstance(options, policies.options_class(self.family)):
+                fail(f"unit.options are {type(options).__name__}, not family {self.family}'s options",
+                     f"give unit.options of {policies.options_class_name(self.family)}")
+            options.validate(fail)
         need(self.unit.dtype in DTYPES, "unit.dtype", self.unit.dtype, DTYPES)
         need(self.rotary_pairs in PAIR_DTYPES, "rotary_pairs", self.rotary_pairs, PAIR_DTYPES)
         # YAML 1.1 reads an unquoted ON/OFF (also on the command line: triton_kernel_mode=ON) as a boolean,
@@ -258,23 +270,25 @@ def load_recipe(name_or_path: str, overrides: Sequence[str] = (), recipes_dir: P
 
     ``check_name=False`` reads a resolved recipe saved under another file name (a run folder's recipe.yaml)."""
     path = recipe_path(name_or_path, recipes_dir)
-    schema = OmegaConf.structured(Recipe)
     try:
         loaded = OmegaConf.load(path)
-        merged = OmegaConf.merge(schema, loaded)
     except OmegaConfBaseException as exc:
-        raise RecipeError(f"recipe file {path} does not fit the schema: {_describe(exc)}",
-                          "fix the key or value named above") from None
+        raise _misfit(path, exc, None) from None
     except Exception as exc:  # a YAML syntax error: the parser's message names line and column
         raise RecipeError(f"recipe file {path} is not valid YAML: {_first_line(exc)}",
                           "fix the file's syntax") from None
+    options = _options_of(_family_named(loaded, overrides))
+    try:
+        merged = OmegaConf.merge(recipe_schema(options), loaded)
+    except OmegaConfBaseException as exc:
+        raise _misfit(path, exc, options) from None
     if OmegaConf.is_missing(merged, "name"):
         merged.name = path.stem
     elif check_name and merged.name != path.stem:
         raise RecipeError(f"recipe file {path} says name: {merged.name!r}",
                           f"a recipe's name is its file name: set name: {path.stem} or remove the key")
     for item in overrides:
-        merged = _apply_override(merged, item)
+        merged = _apply_override(merged, item, options)
     try:
         recipe: Recipe = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
@@ -285,7 +299,43 @@ def load_recipe(name_or_path: str, overrides: Sequence[str] = (), recipes_dir: P
     return recipe.validate()
 
 
-def _apply_override(cfg, item: str):
+def _misfit(path: Path, exc: OmegaConfBaseException, options: Optional[type]) -> RecipeError:
+    """A recipe file whose keys or values the schema refuses; an unknown key gets the close key names."""
+    hint = (_keys_hint(getattr(exc, "full_key", None) or "", options) if isinstance(exc, ConfigKeyError)
+            else "fix the key or value named above")
+    return RecipeError(f"recipe file {path} does not fit the schema: {_describe(exc)}", hint)
+
+
+def recipe_schema(options: Optional[type] = None) -> DictConfig:
+    """The structured config a recipe file is merged into; ``unit.options`` typed by ``options`` if given."""
+    schema = OmegaConf.structured(Recipe)
+    if options is not None:
+        schema.unit.options = OmegaConf.structured(options)
+    return schema
+
+
+def _family_named(loaded: Any, overrides: Sequence[str]) -> Optional[str]:
+    """The family a recipe will have once its overrides are applied: the last ``family=`` override, else the
+    file's ``family``. None if neither names one (the schema then reports what is missing or wrong)."""
+    try:
+        family = loaded.get("family") if isinstance(loaded, DictConfig) else None
+    except OmegaConfBaseException:
+        family = None  # e.g. family: ??? (missing): to_object reports it
+    for item in overrides:
+        if item.partition("=")[0].strip() == "family":
+            try:
+                family = OmegaConf.from_dotlist([item]).get("family")
+            except OmegaConfBaseException:
+                pass  # a malformed override: _apply_override reports it
+    return family if isinstance(family, str) else None
+
+
+def _options_of(family: Optional[str]) -> Optional[type]:
+    """A known family's options dataclass; None for no or an unknown family (``validate`` names the error)."""
+    return policies.options_class(family) if family in policies.family_names() else None
+
+
+def _apply_override(cfg, item: str, options: Optional[type] = None):
     """Merge one ``dotted.key=value`` into the structured config; the schema rejects unknown keys and types."""
     key, eq, value = item.partition("=")
     if not eq or not key.strip():
@@ -293,30 +343,46 @@ def _apply_override(cfg, item: str):
     try:
         return OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
     except ConfigKeyError as exc:
-        raise RecipeError(f"bad override {item!r}: {_describe(exc)}", _keys_hint(key)) from None
+        raise RecipeError(f"bad override {item!r}: {_describe(exc)}", _keys_hint(key, options)) from None
     except OmegaConfBaseException as exc:
-        expected = expected_type(key)
+        expected = _expected_type(key, options)
         what = f"{key} takes {expected}, not {value!r}" if expected else _describe(exc)
         raise RecipeError(f"bad override {item!r}: {what}",
                           "use a value of the key's type, e.g. verify.seeds=[0,1], lowering.max_mm_configs=4, "
                           "source.fabricate=true") from None
 
 
-def expected_type(dotted: str) -> Optional[str]:
-    """The schema's type of a dotted key, in words ('a list of int'), or None if the key is not in the schema."""
+def expected_type(dotted: str, family: Optional[str] = None) -> Optional[str]:
+    """The schema's type of a dotted key, in words ('a list of int'), or None if the key is not in the schema.
+    ``unit.options.*`` keys are the family's options (any value if no family is given)."""
+    return _expected_type(dotted, _options_of(family))
+
+
+def _expected_type(dotted: str, options: Optional[type]) -> Optional[str]:
+    tp = _schema_type(dotted, options)
+    return None if tp is _NOT_IN_SCHEMA else _type_words(tp)
+
+
+_NOT_IN_SCHEMA = object()
+
+
+def _schema_type(dotted: str, options: Optional[type]) -> Any:
+    """The type the schema gives a dotted key ('' is the recipe), ``unit.options`` being ``options``."""
     tp: Any = Recipe
-    for part in dotted.split("."):
-        origin = typing.get_origin(tp)
+    for part in [p for p in dotted.split(".") if p]:
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) is typing.Union and type(None) in args:  # Optional[X]: the keys of X
+            tp = next(a for a in args if a is not type(None))
         if dataclasses.is_dataclass(tp):
             hints = typing.get_type_hints(tp)
             if part not in hints:
-                return None
-            tp = hints[part]
-        elif origin in (dict, Dict):
+                return _NOT_IN_SCHEMA
+            tp = options if tp is Unit and part == "options" and options is not None else hints[part]
+        elif typing.get_origin(tp) in (dict, Dict):
             tp = typing.get_args(tp)[1]
-        else:
-            return None
-    return _type_words(tp)
+        elif tp is not Any:  # under an untyped value (unit.options of no family) every key is any value
+            return _NOT_IN_SCHEMA
+    return tp
 
 
 def _type_words(tp: Any) -> str:
@@ -333,16 +399,10 @@ def _type_words(tp: Any) -> str:
     return {int: "int", float: "float", str: "str", bool: "bool (true/false)"}.get(tp, "any value")
 
 
-def _keys_hint(dotted: str) -> str:
+def _keys_hint(dotted: str, options: Optional[type] = None) -> str:
     """Name the keys that exist where an unknown one was given, with the closest first."""
     parent, _, leaf = dotted.rpartition(".")
-    tp: Any = Recipe
-    for part in [p for p in parent.split(".") if p]:
-        if not dataclasses.is_dataclass(tp):
-            return "use a key of the recipe schema (see zoo/recipes.py)"
-        tp = typing.get_type_hints(tp).get(part)
-        if typing.get_origin(tp) in (dict, Dict):
-            return "use a key of the recipe schema (see zoo/recipes.py)"
+    tp = _schema_type(parent, options)
     if not dataclasses.is_dataclass(tp):
         return "use a key of the recipe schema (see zoo/recipes.py)"
     keys = [f.name for f in dataclasses.fields(tp)]

@@ -457,7 +457,7 @@ def test_checkpoint_without_processors_raises_pull_error(copied_checkpoint, reci
     (["unit.dtype=float64"], "not supported by Fast-WAM"),
     (["unit.options.num_inference_steps=0"], "num_inference_steps"),
     (["unit.options.sigma_shift=-1.0"], "sigma_shift"),
-    (["unit.options.steps=3"], "unknown Fast-WAM option"),
+    (["unit.options.steps=3"], "Key 'steps' not in 'FastWamOptions'"),  # refused at load, like any key
     (["inputs.seq=3"], "unknown Fast-WAM input"),
     (["inputs.context_len=0"], "context_len"),
 ])

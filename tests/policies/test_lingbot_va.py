@@ -170,7 +170,7 @@ def test_checkpoint_that_does_not_match_the_recipe_raises_pull_error(hub):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("unit.options.kv_pool_tokens=8", "unknown unit.options"),
+    ("unit.options.kv_pool_tokens=8", "Key 'kv_pool_tokens' not in 'LingbotVaOptions'"),  # refused at load
     ("unit.options.policy_config.num_layer=2", "unknown field"),
     ("inputs.seq_len=8", "unknown inputs"),
     ("inputs.batch=0", "not a positive integer"),
@@ -207,7 +207,7 @@ def test_real_recipe_states_the_sizes_of_its_policy_config_and_the_tiny_one_keep
     lingbot_va._check_inputs(real, layout, Path("lerobot/lingbot_va_libero_long"))  # raises on a mismatch
     same = ("attention_head_dim", "patch_size", "in_channels", "out_channels", "action_dim", "camera_layout",
             "frame_chunk_size", "action_per_frame")
-    real_config, tiny_config = real.unit.options["policy_config"], tiny.unit.options["policy_config"]
+    real_config, tiny_config = real.unit.options.policy_config, tiny.unit.options.policy_config
     assert {k: real_config[k] for k in same} == {k: tiny_config[k] for k in same}
     # The same rewrites but for the float64 treatment: float32 pairs narrow all float64 math, float64 pairs
     # keep it and only split the float64 constants.

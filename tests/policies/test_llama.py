@@ -320,7 +320,8 @@ def test_bad_checkpoint_raises_pull_error(case, checkpoint, recipe, tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["unit.methods=[prefill,decode]"], "the llama unit has one method"),
-    (["unit.options.layers=3"], "unknown unit.options ['layers']"),
+    # Option keys are the recipe schema's since LlamaOptions (refused at load, like any key).
+    (["unit.options.layers=3"], "unit.options.layers: Key 'layers' not in 'LlamaOptions'"),
     (["inputs.seq_len=8"], "mean nothing to the llama family"),
     (["dynamic.seq.min=1"], "specialises sizes 0 and 1"),
     (["dynamic.seq.max=512"], "exceeds the checkpoint's max_position_embeddings=256"),
@@ -333,10 +334,10 @@ def test_bad_recipe_raises_recipe_error(overrides, message, checkpoint):
 
 def test_fabricate_needs_the_size(tmp_path):
     no_size = load_recipe(TINY)
-    del no_size.unit.options["fabricate_config"]
+    no_size.unit.options.fabricate_config = None
     with pytest.raises(RecipeError, match="no unit.options.fabricate_config"):
         llama.fabricate_checkpoint(no_size, tmp_path)
     partial = load_recipe(TINY)
-    del partial.unit.options["fabricate_config"]["vocab_size"]
+    del partial.unit.options.fabricate_config["vocab_size"]
     with pytest.raises(RecipeError, match="lacks \\['vocab_size'\\]"):
         llama.fabricate_checkpoint(partial, tmp_path)

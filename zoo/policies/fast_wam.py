@@ -48,7 +48,6 @@ POLICY_TYPE = "fastwam"  # the "type" key of a Fast-WAM checkpoint's config.json
 CHUNK_METHODS = ("action_chunk",)
 SPLIT_METHODS = ("prefill", "action_step")
 
-_OPTION_KEYS = ("num_inference_steps", "sigma_shift", "fabricate_config")
 _INPUT_KEYS = ("context_len",)
 _UNIT_DTYPES = ("float32", "bfloat16")
 
@@ -68,7 +67,9 @@ _TINY_WORDS = (
 
 @dataclass
 class Options:
-    """What a Fast-WAM recipe may set: ``unit.options`` and ``inputs``, validated."""
+    """What a Fast-WAM recipe sets, read and checked: the layout its methods choose, ``unit.options``
+    (FastWamOptions, zoo/policies/fast_wam_options.py: keys, types and ranges checked when the recipe loads)
+    and ``inputs``."""
 
     layout: str  # "chunk" (one method, Euler loop unrolled) or "split" (prefill + action_step)
     num_inference_steps: Optional[int]  # None: the checkpoint's config value
@@ -95,38 +96,20 @@ def parse_options(recipe: Recipe) -> Options:
     if recipe.unit.dtype not in _UNIT_DTYPES:
         raise RecipeError(f"recipe {name!r}: unit.dtype={recipe.unit.dtype!r} is not supported by Fast-WAM",
                           f"use one of: {', '.join(_UNIT_DTYPES)} (LeRobot builds Fast-WAM only in these)")
-    options = dict(recipe.unit.options)
+    options = recipe.unit.options
     inputs = dict(recipe.inputs)
-    for key in options:
-        if key not in _OPTION_KEYS:
-            raise RecipeError(f"recipe {name!r}: unknown Fast-WAM option unit.options.{key}",
-                              f"known options: {', '.join(_OPTION_KEYS)}")
     for key in inputs:
         if key not in _INPUT_KEYS:
             raise RecipeError(f"recipe {name!r}: unknown Fast-WAM input size inputs.{key}",
                               f"known input sizes: {', '.join(_INPUT_KEYS)}")
-    steps = options.get("num_inference_steps")
-    if steps is not None and not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
-        raise RecipeError(f"recipe {name!r}: unit.options.num_inference_steps={steps!r}",
-                          "give a whole number >= 1 (LeRobot's default is 10)")
-    shift = options.get("sigma_shift")
-    if shift is not None:
-        if isinstance(shift, bool) or not isinstance(shift, (int, float)) or not shift > 0:
-            raise RecipeError(f"recipe {name!r}: unit.options.sigma_shift={shift!r}",
-                              "give a number > 0, or leave it out to use the checkpoint's shift")
-        shift = float(shift)
     context_len = inputs.get("context_len")
     if context_len is not None and not (
         isinstance(context_len, int) and not isinstance(context_len, bool) and context_len >= 1
     ):
         raise RecipeError(f"recipe {name!r}: inputs.context_len={context_len!r}",
                           "give the number of UMT5 context tokens (the checkpoint's tokenizer_max_len)")
-    fabricate_config = options.get("fabricate_config") or {}
-    if not isinstance(fabricate_config, dict):
-        raise RecipeError(f"recipe {name!r}: unit.options.fabricate_config must be a mapping of FastWAMConfig "
-                          f"fields, got {type(fabricate_config).__name__}",
-                          "e.g. {image_size: [64, 128], video_dit_config: {...}, action_dit_config: {...}}")
-    return Options(layout, steps, shift, context_len, fabricate_config)
+    return Options(layout, options.num_inference_steps, options.sigma_shift, context_len,
+                   dict(options.fabricate_config))
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ The host keeps what LeRobot's ``_infer`` loop does around those calls: slot book
 the two flow-matching schedulers, CFG, grid ids, the VAE and the UMT5 text encoder; ``host_settings`` carries
 the numbers it needs.
 
-Recipe knobs:
+Recipe knobs (unit.options: LingbotVaOptions, zoo/policies/lingbot_va_options.py):
   unit.options.policy_config  LingBotVAConfig fields. Tiny recipes fabricate their checkpoint from them; for
                               every recipe ``build_unit`` checks the checkpoint's config.json against them
                               (except dtype/attn_mode/device, which zoo sets itself), so a checkpoint for a
@@ -52,12 +52,9 @@ SAFETENSORS = "model.safetensors"
 
 
 def _policy_config_options(recipe: Recipe) -> Dict[str, Any]:
-    options = dict(recipe.unit.options)
-    unknown = sorted(set(options) - {"policy_config"})
-    if unknown:
-        raise RecipeError(f"recipe {recipe.name!r}: unknown unit.options key(s) {unknown} for LingBot-VA",
-                          "LingBot-VA reads only unit.options.policy_config (LingBotVAConfig fields)")
-    policy_config = dict(options.get("policy_config") or {})
+    """unit.options.policy_config, its keys checked against LeRobot's LingBotVAConfig (the schema cannot: it
+    is lerobot's class, and recipes load without lerobot)."""
+    policy_config = dict(recipe.unit.options.policy_config)
     fields = {f.name for f in dataclasses.fields(LingBotVAConfig)}
     bad = sorted(set(policy_config) - fields)
     if bad:

@@ -38,12 +38,11 @@ SEQ_DIM = "seq"
 HOST_FILE_NAMES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "generation_config.json")
 
-# LlamaConfig fields a recipe gives (unit.options.fabricate_config) so zoo can fabricate a checkpoint of
-# that size; the geometry keys are required because LlamaConfig's defaults describe a 7B model.
+# LlamaConfig fields a recipe gives (unit.options.fabricate_config, LlamaOptions) so zoo can fabricate a
+# checkpoint of that size; the geometry keys are required because LlamaConfig's defaults describe a 7B model.
 _FABRICATE_REQUIRED = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
                        "intermediate_size", "vocab_size", "max_position_embeddings")
 _FABRICATE_OPTIONAL = ("head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings")
-_UNIT_OPTIONS = ("fabricate_config",)
 
 
 @dataclass(frozen=True)
@@ -367,7 +366,8 @@ def decoder_state(a: LlamaArgs, tensors: Dict[str, torch.Tensor], dtype: torch.d
 
 
 def check_recipe(recipe: Recipe) -> int:
-    """Validate the llama-specific parts of a recipe; return the largest sequence length the unit accepts."""
+    """Validate the llama-specific parts of a recipe (its unit.options the schema checked, LlamaOptions); return
+    the largest sequence length the unit accepts."""
     name = recipe.name
     if recipe.family != FAMILY:
         raise RecipeError(f"recipe {name!r} has family {recipe.family!r}, not {FAMILY!r}",
@@ -375,10 +375,6 @@ def check_recipe(recipe: Recipe) -> int:
     if list(recipe.unit.methods) != [METHOD]:
         raise RecipeError(f"recipe {name!r}: unit.methods={list(recipe.unit.methods)}; the llama unit has one "
                           f"method", f"set unit.methods: [{METHOD}]")
-    unknown = sorted(set(recipe.unit.options) - set(_UNIT_OPTIONS))
-    if unknown:
-        raise RecipeError(f"recipe {name!r}: unknown unit.options {unknown} for the llama family",
-                          f"llama options: {', '.join(_UNIT_OPTIONS)}")
     if recipe.inputs:
         raise RecipeError(f"recipe {name!r}: inputs {sorted(recipe.inputs)} mean nothing to the llama family",
                           f"the only size is the dynamic dim {SEQ_DIM!r}: remove `inputs`")
@@ -454,7 +450,7 @@ def transformers_reference(checkpoint_dir: Path, dtype: torch.dtype) -> Callable
 
 
 def _fabricate_config(recipe: Recipe) -> Dict[str, Any]:
-    cfg = recipe.unit.options.get("fabricate_config")
+    cfg = recipe.unit.options.fabricate_config
     if not isinstance(cfg, dict):
         raise RecipeError(f"recipe {recipe.name!r} has no unit.options.fabricate_config, so zoo does not know "
                           "what size of checkpoint to fabricate",
