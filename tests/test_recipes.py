@@ -81,6 +81,17 @@ def test_unknown_top_level_override_lists_keys(tmp_path):
     assert "did you mean rewrites" in err.value.hint
 
 
+@pytest.mark.parametrize("item, meant", [
+    ("verfy.seeds=[1]", "did you mean verify? keys of a recipe:"),  # the unknown key is the first part
+    ("dynamic.seq.mn=3", "did you mean dynamic.seq.min? keys of dynamic.seq: min, max"),  # under a mapping
+    ("unit.options.fabricate_confg.x=1", "did you mean unit.options.fabricate_config?"),  # a family's option
+])
+def test_unknown_key_inside_a_path_names_the_close_key(tmp_path, item, meant):
+    with pytest.raises(RecipeError) as err:
+        load_recipe(str(write(tmp_path, "m", MINIMAL)), [item])
+    assert err.value.hint.startswith(meant)
+
+
 @pytest.mark.parametrize("item, words", [
     ("verify.seeds=abc", "verify.seeds takes a list of int, not 'abc'"),
     ("verify.seeds=3", "verify.seeds takes a list of int"),

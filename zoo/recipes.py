@@ -343,7 +343,9 @@ def _apply_override(cfg, item: str, options: Optional[type] = None):
     try:
         return OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
     except ConfigKeyError as exc:
-        raise RecipeError(f"bad override {item!r}: {_describe(exc)}", _keys_hint(key, options)) from None
+        # full_key is the first key the schema lacks (verfy in verfy.seeds=...): the one to suggest for.
+        unknown = getattr(exc, "full_key", None) or key
+        raise RecipeError(f"bad override {item!r}: {_describe(exc)}", _keys_hint(unknown, options)) from None
     except OmegaConfBaseException as exc:
         expected = _expected_type(key, options)
         what = f"{key} takes {expected}, not {value!r}" if expected else _describe(exc)
