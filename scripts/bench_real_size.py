@@ -462,7 +462,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if not args.no_rotary:
         say("rotary microbenchmark ...")
-        from zoo.bench_rotary import run_rotary
+        from zoo.bench.rotary import run_rotary
 
         try:
             results.update(run_rotary(device, runs=args.runs, warmup=args.warmup, compile=not args.no_compile,

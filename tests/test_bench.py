@@ -27,7 +27,7 @@ from zoo.bench import (
     measure,
     percentile,
 )
-from zoo.bench_rotary import ComplexRope, RotaryCase, angle_table, bench_case, parse_case, rewritten_rope, rope_bytes
+from zoo.bench.rotary import ComplexRope, RotaryCase, angle_table, bench_case, parse_case, rewritten_rope, rope_bytes
 from zoo.errors import NoGpuError, ZooError
 from zoo.rewrites.complex_to_real import replace_complex_with_real
 from zoo.policies.base import InputSpec
@@ -511,7 +511,7 @@ def test_cuda_events_see_known_work_ratio():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_time_leaves_out_the_host_and_sees_known_work():
-    from zoo.bench_timing import measure_device_time
+    from zoo.bench.measuring import measure_device_time
 
     x = [torch.randn(8 << 20, device="cuda") for _ in range(2)]  # 32 MiB each
 
@@ -539,7 +539,7 @@ def test_top_kernels_name_the_kernel_that_takes_the_time():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_rotary_on_gpu_compiled_pairs_agree_and_report_a_fraction():
-    from zoo.bench_rotary import run_rotary
+    from zoo.bench.rotary import run_rotary
 
     out = run_rotary("cuda", runs=10, warmup=3, cases=[RotaryCase("gpu", (2, 1024, 8, 64))], copy_bytes=256 << 20)
     r = out["rotary"][0]

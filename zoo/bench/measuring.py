@@ -1,4 +1,5 @@
-"""Timing for zoo's benchmarks: order statistics, a CPU and a CUDA-event timer, and ``measure``.
+"""Measuring for zoo's benchmarks: order statistics, a CPU and a CUDA-event timer, ``measure``, device time
+by CUDA graph replay, a candidate's peak device memory, and the environment a measurement was taken in.
 
 ``measure`` excludes warm-up calls and rotates through a list of distinct inputs, so a call never finds its
 inputs already in a cache. Plain Python and torch: tested on the CPU with known sleeps and known work.
@@ -6,7 +7,9 @@ inputs already in a cache. Plain Python and torch: tested on the CPU with known 
 
 from __future__ import annotations
 
+import gc
 import math
+import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -14,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+MIB = float(2**20)
 
 # ------------------------------------------------------------------------------------------------------
 # Statistics
@@ -179,3 +183,69 @@ def measure_device_time(fn: Callable[[Any], Any], inputs_list: Sequence[Any], wa
     stats = Stats(median=replays.median * per_call, p10=replays.p10 * per_call, p90=replays.p90 * per_call,
                   mean=replays.mean * per_call, stdev=replays.stdev * per_call, n=replays.n)
     return stats, f"cuda_graph_replay ({len(inputs_list)} calls per replay)"
+
+
+# ------------------------------------------------------------------------------------------------------
+# Peak device memory
+
+
+class PeakMemory:
+    """Peak device memory of one candidate: the caching allocator's peak above what existed before the
+    candidate was built, plus device memory it holds outside the allocator (an AOTI .so allocates its
+    weights with cudaMalloc; loaded kernel images also count). All None on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.base_alloc = self.base_reserved = self.base_free = 0
+
+    def before_build(self) -> None:
+        if not self.cuda:
+            return
+        gc.collect()
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        self.base_alloc = torch.cuda.memory_allocated(self.device)
+        self.base_reserved = torch.cuda.memory_reserved(self.device)
+        self.base_free = torch.cuda.mem_get_info(self.device)[0]
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> Dict[str, Optional[int]]:
+        if not self.cuda:
+            return {"peak_bytes": None, "allocator_peak_bytes": None, "outside_allocator_bytes": None}
+        torch.cuda.synchronize(self.device)
+        allocator = torch.cuda.max_memory_allocated(self.device) - self.base_alloc
+        used = self.base_free - torch.cuda.mem_get_info(self.device)[0]
+        grown = torch.cuda.memory_reserved(self.device) - self.base_reserved
+        outside = max(0, used - grown)
+        return {"peak_bytes": int(allocator + outside), "allocator_peak_bytes": int(allocator),
+                "outside_allocator_bytes": int(outside)}
+
+
+# ------------------------------------------------------------------------------------------------------
+# Where it was measured
+
+
+def environment(device: str) -> Dict[str, Any]:
+    from importlib import metadata
+
+    def version(dist: str) -> Optional[str]:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    env: Dict[str, Any] = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda,
+                           "executorch": version("executorch"), "lerobot": version("lerobot"),
+                           "transformers": version("transformers"), "python": platform.python_version(),
+                           "host": platform.node(), "cpu": platform.processor() or platform.machine()}
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(torch.device(device))
+        env.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
+                   gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                   l2_cache_mib=round(getattr(props, "L2_cache_size", 0) / MIB, 1))
+    return env

@@ -22,10 +22,12 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .bench import TARGETS, auto_input_sets, indexed_device, judge_at_least, measure, timer_for, top_kernels
-from .bench_timing import measure_device_time
-from .errors import RewriteDeclined, ZooError
-from .numerics import compare
+from ..errors import RewriteDeclined, ZooError
+from ..numerics import compare
+from ..rewrites.complex_to_real import replace_complex_with_real
+from .candidates import auto_input_sets, indexed_device, top_kernels
+from .measuring import measure, measure_device_time, timer_for
+from .rendering import TARGETS, judge_at_least
 
 PAIR_TABLE_DTYPE = torch.float32  # the rewrite turns the complex64 table into float32 pairs
 
@@ -69,8 +71,6 @@ class ComplexRope(nn.Module):
 
 def rewritten_rope(module: nn.Module, example: torch.Tensor):
     """The rotary module exported and rewritten to real pairs, exactly as the pipeline rewrites a policy."""
-    from .rewrites.complex_to_real import replace_complex_with_real
-
     with torch.no_grad():
         ep = torch.export.export(module, (example,), strict=False)
     result = replace_complex_with_real(ep)

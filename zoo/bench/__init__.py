@@ -1,0 +1,98 @@
+"""``python -m zoo bench RUN_DIR``: how fast the artifact runs, against eager PyTorch and torch.compile.
+
+The package's modules, each importing only those listed before it:
+
+  measuring   timers, order statistics, ``measure``, device time by CUDA graph replay, peak device memory,
+              the environment a measurement was taken in
+  rendering   the project's targets and the judgements against them; tables, Markdown, the JSON/Markdown files
+  candidates  what is timed (the artifact, eager, torch.compile) on which input sets; agreement with eager,
+              the cost of carried state, top kernels
+  rotary      the rotary-embedding microbenchmark against device copy bandwidth
+  cli         the command line: reads the run folder and puts the others together
+
+The statistics, the timers and the rendering are plain Python and are tested on the CPU; only the candidates
+need a GPU. The names below are the package's interface (``from zoo import bench; bench.render(...)``).
+"""
+
+from __future__ import annotations
+
+from .candidates import (
+    INPUT_SEED,
+    ArtifactMethod,
+    Candidate,
+    RunFn,
+    agreement,
+    artifact_candidate,
+    auto_input_sets,
+    bench_candidate,
+    bench_method,
+    carried_inputs,
+    carried_state_cost,
+    draw_inputs,
+    error_line,
+    indexed_device,
+    input_specs,
+    load_program_module,
+    module_runner,
+    parse_sizes,
+    run_folder_candidates,
+    set_bytes,
+    size_cases,
+    top_kernels,
+)
+from .cli import (
+    COST_STAGES,
+    artifact_sizes,
+    build_parser,
+    check_counts,
+    export_cost,
+    load_io_spec,
+    main,
+    resolve_device,
+    run_name,
+)
+from .measuring import (
+    MIB,
+    CudaEventTimer,
+    PeakMemory,
+    PerfCounterTimer,
+    Stats,
+    environment,
+    measure,
+    measure_device_time,
+    percentile,
+    timer_for,
+)
+from .rendering import (
+    BENCH_JSON,
+    BENCH_MD,
+    FORMAT,
+    TARGETS,
+    UNIT_STAGES,
+    Targets,
+    carried_rows,
+    cost_rows,
+    judge_at_least,
+    judge_at_most,
+    judge_method,
+    kernel_rows,
+    latency_rows,
+    missed_targets,
+    ratios,
+    render,
+    rotary_rows,
+    units_rows,
+    write_results,
+)
+
+__all__ = [
+    "ArtifactMethod", "BENCH_JSON", "BENCH_MD", "COST_STAGES", "Candidate", "CudaEventTimer", "FORMAT",
+    "INPUT_SEED", "MIB", "PeakMemory", "PerfCounterTimer", "RunFn", "Stats", "TARGETS", "Targets", "UNIT_STAGES",
+    "agreement", "artifact_candidate", "artifact_sizes", "auto_input_sets", "bench_candidate", "bench_method",
+    "build_parser", "carried_inputs", "carried_rows", "carried_state_cost", "check_counts", "cost_rows",
+    "draw_inputs", "environment", "error_line", "export_cost", "indexed_device", "input_specs", "judge_at_least",
+    "judge_at_most", "judge_method", "kernel_rows", "latency_rows", "load_io_spec", "load_program_module", "main",
+    "measure", "measure_device_time", "missed_targets", "module_runner", "parse_sizes", "percentile", "ratios",
+    "render", "rotary_rows", "run_folder_candidates", "run_name", "set_bytes", "size_cases", "timer_for",
+    "top_kernels", "units_rows", "write_results",
+]

@@ -1,0 +1,199 @@
+"""``python -m zoo bench RUN_DIR``: how fast the artifact runs, against eager PyTorch and torch.compile.
+
+For each method of a run folder (and each size of its dynamic dims asked for), three candidates run on the
+same pre-drawn inputs in the unit's dtype:
+
+  artifact  the method's .so + weights taken out of the shipped model.pte / aoti_cuda_blob.ptd, through torch's
+            AOTI runner, fed in the delegate's own input order (exactly as verification runs them)
+  eager     the original exported program (``exported.<method>.pt2``, complex rotary math and all), op by op
+  compile   ``torch.compile`` (default mode) of that same module
+
+Each candidate is measured in isolation: built, warmed up, its peak memory counter reset, then timed over
+``runs`` calls that rotate through several distinct input sets (together larger than the GPU's L2 cache, so
+no call finds its inputs already cached). On a GPU every call starts from an idle device and is timed with
+CUDA events: the number is a call's latency as a caller sees it, launch overhead included. The ratios
+artifact/eager and artifact/compile come from medians of the same invocation, and are judged against the
+project's targets; a missed target says by how much.
+
+The modules of ``zoo.bench``: ``measuring`` (timers, statistics, device time, peak memory), ``candidates``
+(what is timed, on which inputs), ``rotary`` (the rotary microbenchmark), ``rendering`` (targets, judgements,
+tables, files) and this command line, which reads the run folder and puts them together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+
+from ..errors import NoGpuError, ZooError
+from ..lowering import PTD_NAME, PTE_NAME, SO_DIR
+from ..report import REPORT_JSON
+from .candidates import (
+    bench_method,
+    carried_state_cost,
+    error_line,
+    input_specs,
+    parse_sizes,
+    run_folder_candidates,
+    size_cases,
+)
+from .measuring import environment, timer_for
+from .rendering import BENCH_JSON, BENCH_MD, FORMAT, TARGETS, render, write_results
+from .rotary import DEFAULT_CASES, parse_case, run_rotary
+
+
+# ------------------------------------------------------------------------------------------------------
+# What the run folder already knows: its io spec, name, stage times and artifact sizes
+
+
+def load_io_spec(run_dir: Path) -> Dict[str, Any]:
+    path = Path(run_dir) / "io_spec.json"
+    if not Path(run_dir).is_dir():
+        raise ZooError(f"run folder {run_dir} does not exist", "pass the folder `python -m zoo export` wrote")
+    if not path.is_file():
+        raise ZooError(f"{run_dir} has no io_spec.json, so it is not a zoo run folder (or its export failed)",
+                       "pass the folder `python -m zoo export RECIPE` wrote; report.md there says what failed")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise ZooError(f"{path} is not valid JSON ({exc})", "export the run again") from None
+
+
+def run_name(run_dir: Path) -> str:
+    path = Path(run_dir) / "recipe.yaml"
+    if path.is_file():
+        from omegaconf import OmegaConf
+
+        with contextlib.suppress(Exception):  # the name is a label only; the folder name stands in
+            return str(OmegaConf.load(path).get("name") or Path(run_dir).name)
+    return Path(run_dir).resolve().name
+
+
+COST_STAGES = ("export", "rewrite", "cpu_check", "lower", "audit", "verify")
+
+
+def export_cost(run_dir: Path) -> Dict[str, Optional[float]]:
+    """Seconds per pipeline stage, from report.json (None for a stage that did not run)."""
+    path = Path(run_dir) / REPORT_JSON
+    if not path.is_file():
+        return {}
+    try:
+        stages = json.loads(path.read_text()).get("stages") or []
+    except ValueError:
+        return {}
+    found = {s.get("stage"): s.get("seconds") for s in stages if s.get("status") == "done"}
+    return {stage: found.get(stage) for stage in COST_STAGES}
+
+
+def artifact_sizes(run_dir: Path) -> Dict[str, int]:
+    run_dir = Path(run_dir)
+    files = [run_dir / PTE_NAME, run_dir / PTD_NAME] + sorted((run_dir / SO_DIR).glob("*.so")) \
+        + sorted((run_dir / SO_DIR).glob("*.weights.blob"))
+    return {str(p.relative_to(run_dir)): p.stat().st_size for p in files if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------------------------
+# Command line
+
+
+def build_parser(prog: str = "python -m zoo bench") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", type=Path, help="a run folder written by `python -m zoo export` (lowered on a GPU)")
+    p.add_argument("--methods", default=None, help="comma-separated methods (default: all in io_spec.json)")
+    p.add_argument("--sizes", action="append", default=[], metavar="DIM=N[,N...]",
+                   help="dynamic sizes to bench at, e.g. seq=128,512,2048 (default: the export's example sizes)")
+    p.add_argument("--runs", type=int, default=50, help="timed calls per candidate and size (default 50)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed calls first (default 10)")
+    p.add_argument("--input-sets", type=int, default=None,
+                   help="distinct input sets to rotate through (default: enough to exceed twice the L2 cache)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile candidate")
+    p.add_argument("--compile-program", choices=("exported", "rewritten"), default="exported",
+                   help="which saved program torch.compile gets (default: exported, what a user would compile)")
+    p.add_argument("--compile-dynamic", choices=("auto", "true", "false"), default="auto",
+                   help="torch.compile's dynamic= (auto: true when the unit has dynamic dims, as the artifact "
+                        "is compiled once for the whole range; otherwise torch's default)")
+    p.add_argument("--rotary", action="store_true", help="also run the rotary-only microbenchmark")
+    p.add_argument("--profile", action="store_true",
+                   help="also list each candidate's top kernels by device time (CUDA profiler, after timing)")
+    p.add_argument("--rotary-shape", action="append", default=[], metavar="B,L,H,D",
+                   help="rotary case shape (repeatable; default: SmolLM2 at seq 2048 and a 16k-token 24x128 case)")
+    p.add_argument("--device", default=None,
+                   help="cuda (default) or cpu; cpu checks the harness only: the artifact needs CUDA")
+    p.add_argument("--json", type=Path, default=None, help=f"where to write JSON (default RUN_DIR/{BENCH_JSON})")
+    p.add_argument("--markdown", type=Path, default=None, help=f"where to write Markdown (default RUN_DIR/{BENCH_MD})")
+    return p
+
+
+def resolve_device(requested: Optional[str]) -> str:
+    if requested in (None, "cuda") or (requested or "").startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise NoGpuError("`python -m zoo bench` times the artifact on a CUDA GPU, and none is visible here",
+                             "run it on the GPU machine the run was lowered on; --device cpu only checks the "
+                             "harness (eager and torch.compile, no artifact)")
+        return requested or "cuda"
+    if requested != "cpu":
+        raise ZooError(f"--device {requested!r} is not a device zoo benches on", "use cuda or cpu")
+    return "cpu"
+
+
+def check_counts(runs: int, warmup: int, input_sets: Optional[int]) -> None:
+    if runs < 1:
+        raise ZooError(f"--runs {runs}: at least one timed run is needed", "use e.g. --runs 50")
+    if warmup < 0:
+        raise ZooError(f"--warmup {warmup} is negative", "use 0 or more warm-up calls (default 10)")
+    if input_sets is not None and input_sets < 1:
+        raise ZooError(f"--input-sets {input_sets}: at least one input set is needed",
+                       "leave it out to use enough sets to exceed the L2 cache")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    check_counts(args.runs, args.warmup, args.input_sets)
+    run_dir = Path(args.run_dir).expanduser()
+    io_spec = load_io_spec(run_dir)
+    device = resolve_device(args.device)
+    methods = args.methods.split(",") if args.methods else list(io_spec["methods"])
+    for m in methods:
+        input_specs(io_spec, m)  # unknown names fail before anything is timed
+    cases = size_cases(io_spec, parse_sizes(args.sizes))
+    dynamic = {"auto": True if io_spec.get("dynamic") else None, "true": True, "false": False}[args.compile_dynamic]
+
+    result: Dict[str, Any] = {
+        "format": FORMAT, "name": run_name(run_dir), "run_dir": str(run_dir), "environment": environment(device),
+        "settings": {"runs": args.runs, "warmup": args.warmup, "input_sets": args.input_sets or "auto",
+                     "timer": timer_for(device).name, "compile_program": args.compile_program,
+                     "compile_dynamic": dynamic},
+        "targets": asdict(TARGETS), "methods": [],
+        "export_cost": export_cost(run_dir), "artifact_sizes": artifact_sizes(run_dir),
+    }
+    for m in methods:
+        print(f"[zoo] bench {m} at {len(cases)} size(s) ...", file=sys.stderr, flush=True)
+        candidates = run_folder_candidates(run_dir, m, device, args.compile_program, dynamic, not args.no_compile)
+        specs = input_specs(io_spec, m)
+        timed = bench_method(m, specs, cases, candidates, args.warmup, args.runs, device, args.input_sets,
+                             profile=args.profile)
+        result["methods"] += timed
+        carried = carried_state_cost(m, specs, io_spec["methods"][m].get("outputs") or [], timed, args.warmup,
+                                     args.runs, device, args.input_sets)
+        if carried:
+            result.setdefault("carried_state", []).extend(carried)
+    if args.rotary or args.rotary_shape:
+        cases_r = [parse_case(text) for text in args.rotary_shape] or list(DEFAULT_CASES)
+        # The method timings above stand on their own: a rotary failure is recorded, not allowed to lose them.
+        write_results(result, args.json or run_dir / BENCH_JSON, args.markdown or run_dir / BENCH_MD)
+        try:
+            result.update(run_rotary(device, runs=args.runs, warmup=args.warmup, cases=cases_r,
+                                     compile=not args.no_compile))
+        except Exception as exc:  # noqa: BLE001 - reported in the results and on stderr
+            result["rotary_error"] = error_line(exc)
+            print(f"[zoo] rotary benchmark failed: {result['rotary_error']}", file=sys.stderr)
+    write_results(result, args.json or run_dir / BENCH_JSON, args.markdown or run_dir / BENCH_MD)
+    print(render(result, markdown=False))
+    return 0
