@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch.export import ExportedProgram
 
-from . import atomic, exporting, hub
+from . import atomic, exporting, hub, rewrites
 from .cpu_check import cpu_check, summary_detail
 from .errors import ExportError, NoGpuError, RewriteDeclined, ZooError
 from .policies.base import ExportUnit
@@ -245,17 +245,9 @@ def gpu_steps(run_dir: Path, recipe, report: RunReport, shown_dir: Optional[Path
 
 def apply_rewrites(ep: ExportedProgram, recipe, method: str) -> Tuple[ExportedProgram, List[Dict[str, Any]]]:
     """The recipe's rewrites, in zoo.rewrites.DEFAULT_ORDER; every one is required, so a decline is an error."""
-    from . import rewrites
-
     summaries = []
-    for name in [n for n in rewrites.DEFAULT_ORDER if n in recipe.rewrites]:
-        try:
-            fn = rewrites.get(name)
-        except ImportError as exc:
-            raise ExportError(f"rewrite {name!r} cannot be imported: {exc}",
-                              "this checkout lacks the rewrite module; update zoo") from exc
-        kwargs = {"complex128_as": recipe.rotary_pairs} if name == "replace_complex_with_real" else {}
-        result = fn(ep, **kwargs)
+    for name, rewrite in rewrites.rewrites_for(recipe):
+        result = rewrite(ep)
         if result.declined:
             raise RewriteDeclined(f"rewrite {name} declined method {method!r}: {result.declined}",
                                   "the op above is one the rewrite does not handle; see report.md")

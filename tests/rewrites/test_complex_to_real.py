@@ -739,8 +739,8 @@ DECLINES = [
         ComplexInput(), (torch.randn(3, dtype=torch.complex64),), "complex program input 'z'", id="input"
     ),
     pytest.param(ComplexOutput(), (X42,), "complex program output", id="output"),
-    pytest.param(CondBranch(), (torch.randn(8),), "torch.ops.higher_order.cond", id="cond"),
-    pytest.param(GradRegion(), (X42,), "torch.ops.higher_order.wrap_with_set_grad_enabled", id="hop"),
+    pytest.param(CondBranch(), (torch.randn(8),), "higher_order.cond", id="cond"),
+    pytest.param(GradRegion(), (X42,), "higher_order.wrap_with_set_grad_enabled", id="hop"),
     pytest.param(Complex32(), (X42,), "complex32", id="complex32"),
     pytest.param(MutatedBuffer(), (X42,), "mutates complex buffer 'state'", id="mutated-buffer"),
     pytest.param(Fft(), (X42,), "aten.fft_fft.default", id="unknown-op"),

@@ -1,50 +1,62 @@
-"""zoo's graph rewrites, by name. Each lives in its own module and returns a ``RewriteResult``.
+"""zoo's graph rewrites, by name. Each lives in its own module, registers itself there with
+``@registry.rewrite(NAME)`` and returns a ``RewriteResult``.
 
 They run on the ATen-level ``ExportedProgram`` that ``torch.export`` returns, before any ExecuTorch step.
-Modules are imported on first use so that ``import zoo.rewrites`` stays cheap.
+``zoo.rewrites.<name>`` is the rewrite function of that name (``narrow_float64`` included, whose module has the
+same name; import its helpers as ``from zoo.rewrites.narrow_float64 import ...``).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Callable, Dict, List
+from typing import Any, Callable, List, Tuple
 
+from ..errors import RecipeError
+from . import registry
+from .autocast_regions import inline_autocast_regions
+from .complex_to_real import replace_complex_with_real
+from .detach import replace_detach_with_alias
+from .float64_constants import split_float64_constants
+from .fused_sdpa import replace_fused_sdpa_with_sdpa
+from .narrow_float64 import narrow_float64
+from .output_safety import make_outputs_safe
 from .result import RewriteResult
+from .view_copies import replace_view_copies
 
-# name -> module inside zoo.rewrites that defines a function of that name.
-_MODULES: Dict[str, str] = {
-    "inline_autocast_regions": "autocast_regions",
-    "replace_complex_with_real": "complex_to_real",
-    "narrow_float64": "narrow_float64",
-    "split_float64_constants": "float64_constants",
-    "replace_fused_sdpa_with_sdpa": "fused_sdpa",
-    "replace_detach_with_alias": "detach",
-    "replace_view_copies": "view_copies",
-    "make_outputs_safe": "output_safety",
-}
-
-# The order the pipeline applies them in: autocast regions are inlined first so that the complex rewrite
-# sees the rope ops they hide; float64 is narrowed (float32 pairs) or its constants split (float64 pairs)
-# after the complex rewrite has turned complex128 into real pairs; outputs are made safe last, after every
-# other rewrite has settled them.
-DEFAULT_ORDER: List[str] = list(_MODULES)
+# The order the pipeline applies them in, whatever order a recipe lists them in: autocast regions are inlined
+# first so that the complex rewrite sees the rope ops they hide; float64 is narrowed (float32 pairs) or its
+# constants split (float64 pairs) after the complex rewrite has turned complex128 into real pairs; outputs are
+# made safe last, after every other rewrite has settled them. Every registered rewrite appears once
+# (tests/rewrites/test_contract.py checks it).
+DEFAULT_ORDER: Tuple[str, ...] = (
+    "inline_autocast_regions",
+    "replace_complex_with_real",
+    "narrow_float64",
+    "split_float64_constants",
+    "replace_fused_sdpa_with_sdpa",
+    "replace_detach_with_alias",
+    "replace_view_copies",
+    "make_outputs_safe",
+)
 
 
 def names() -> List[str]:
-    return list(_MODULES)
+    """Every rewrite a recipe may name, in the order the pipeline applies them."""
+    return list(DEFAULT_ORDER)
 
 
 def get(name: str) -> Callable[..., RewriteResult]:
-    if name not in _MODULES:
-        raise KeyError(f"unknown rewrite {name!r}; known: {', '.join(_MODULES)}")
-    module = importlib.import_module(f"{__name__}.{_MODULES[name]}")
-    return getattr(module, name)
+    """The rewrite function ``name``, to call with a program (and its own keyword arguments)."""
+    return registry.registration(name).function
 
 
-def __getattr__(name: str):  # zoo.rewrites.replace_complex_with_real(...) works without an explicit import
-    if name in _MODULES:
-        return get(name)
-    raise AttributeError(name)
+def rewrites_for(recipe: Any) -> List[Tuple[str, Callable[[Any], RewriteResult]]]:
+    """``[(name, rewrite)]`` for the rewrites ``recipe.rewrites`` names, in ``DEFAULT_ORDER``; each ``rewrite``
+    takes the program alone, the recipe's values already bound to the arguments its registration names
+    (``replace_complex_with_real`` gets ``complex128_as=recipe.rotary_pairs``)."""
+    unknown = [name for name in recipe.rewrites if name not in DEFAULT_ORDER]
+    if unknown:
+        raise RecipeError(f"unknown rewrite(s) {unknown}", f"use one of: {', '.join(DEFAULT_ORDER)}")
+    return [(name, registry.registration(name).bound(recipe)) for name in DEFAULT_ORDER if name in recipe.rewrites]
 
 
-__all__ = ["RewriteResult", "DEFAULT_ORDER", "names", "get", *_MODULES]
+__all__ = ["RewriteResult", "DEFAULT_ORDER", "names", "get", "rewrites_for", *DEFAULT_ORDER]

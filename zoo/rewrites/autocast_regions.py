@@ -51,7 +51,10 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _fx
+from .graph import (Declined, aten, calls, copy_program, decline_on_failure, fake_eval, fetch_attr, finish,
+                    getitem_users, graph_modules_under, insert_call, is_inference_program, no_autocast, op_name,
+                    require_program, rewriting, same_dtypes)
+from .registry import rewrite
 from .result import RewriteResult, log, source_line
 
 NAME = "inline_autocast_regions"
@@ -59,7 +62,7 @@ NAME = "inline_autocast_regions"
 _AUTOCAST = torch.ops.higher_order.wrap_with_autocast
 _SET_GRAD = torch.ops.higher_order.wrap_with_set_grad_enabled
 _REGIONS = (_AUTOCAST, _SET_GRAD)
-_CAST = _fx.aten._to_copy.default
+_CAST = aten._to_copy.default
 
 # Autocast state: device type -> (enabled, dtype), as set by the regions enclosing a body.
 _State = Dict[str, Tuple[bool, Optional[torch.dtype]]]
@@ -68,7 +71,7 @@ _State = Dict[str, Tuple[bool, Optional[torch.dtype]]]
 def _parts(node: Node, state: _State) -> Tuple[Node, List, _State]:
     """(get_attr of the body, operands, autocast state inside the body) of a region call."""
     if node.kwargs:
-        raise _fx.Declined(node, f"unexpected keyword arguments {sorted(node.kwargs)}")
+        raise Declined(node, f"unexpected keyword arguments {sorted(node.kwargs)}")
     if node.target is _AUTOCAST:
         device, dtype, enabled, _cache, body, *operands = node.args
         inner = dict(state)
@@ -77,21 +80,21 @@ def _parts(node: Node, state: _State) -> Tuple[Node, List, _State]:
         _mode, body, *operands = node.args
         inner = state
     if not (isinstance(body, Node) and body.op == "get_attr"):
-        raise _fx.Declined(node, "its body is not a sub-module of the calling graph")
+        raise Declined(node, "its body is not a sub-module of the calling graph")
     return body, operands, inner
 
 
 def _has_regions(ep: ExportedProgram) -> bool:
-    return any(True for gm in _fx.all_graph_modules(ep.graph_module) for _ in _fx.calls(gm.graph, _REGIONS))
+    return any(True for gm in graph_modules_under(ep.graph_module) for _ in calls(gm.graph, _REGIONS))
 
 
 def _computes_recorded(node: Node) -> bool:
     """Does the op, evaluated without autocast on its inputs' recorded values, give the recorded dtypes?"""
     try:
-        got = _fx.fake_eval(node.target, node.args, node.kwargs)
+        got = fake_eval(node.target, node.args, node.kwargs)
     except Exception:  # e.g. linear(bfloat16, float32) without autocast: a mismatch, not a failure
         return False
-    return _fx.same_dtypes(got, node.meta["val"])
+    return same_dtypes(got, node.meta["val"])
 
 
 class _CastRecorder(TorchDispatchMode):
@@ -118,7 +121,7 @@ def _casts_while_running(node: Node, state: _State) -> Counter:
     with contextlib.ExitStack() as stack:
         if fake_mode is not None:
             stack.enter_context(fake_mode)
-        stack.enter_context(_fx.no_autocast())
+        stack.enter_context(no_autocast())
         for device, (enabled, dtype) in state.items():
             stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled, cache_enabled=False))
         stack.enter_context(recorder)
@@ -132,7 +135,7 @@ def _autocast_casts(node: Node, state: _State) -> List[Tuple[Node, torch.dtype]]
     try:
         within = _casts_while_running(node, state)
     except Exception as exc:
-        raise _fx.Declined(node, f"cannot be evaluated under its autocast state: {exc}") from exc
+        raise Declined(node, f"cannot be evaluated under its autocast state: {exc}") from exc
     try:
         without = _casts_while_running(node, {})
     except Exception:  # mixed dtypes that only autocast makes valid: every cast is autocast's
@@ -150,16 +153,17 @@ def _materialise_autocast(body: GraphModule, state: _State) -> int:
         if node.target._schema.is_mutable:  # autocast casts no in-place op
             continue
         if "val" not in node.meta:
-            raise _fx.Declined(node, "has no recorded value, so what autocast did to it cannot be checked")
+            raise Declined(node, "has no recorded value, so what autocast did to it cannot be checked")
         for arg, dtype in (_autocast_casts(node, state) if enabled else []):
-            cast = _fx.insert_call(node.graph, node, _CAST, (arg,), {"dtype": dtype}, like=node)
+            with rewriting(node):
+                cast = insert_call(node.graph, node, _CAST, (arg,), {"dtype": dtype}, like=node)
             node.replace_input_with(arg, cast)
             casts += 1
         if not _computes_recorded(node):
             recorded = [str(v.dtype) for v in torch.utils._pytree.tree_leaves(node.meta["val"])
                         if isinstance(v, torch.Tensor)]
             why = "with autocast's casts written out" if enabled else "and no enclosing region enables autocast"
-            raise _fx.Declined(node, f"export recorded {recorded}, which the op does not compute {why}")
+            raise Declined(node, f"export recorded {recorded}, which the op does not compute {why}")
     return casts
 
 
@@ -176,7 +180,7 @@ def _inline(gm: GraphModule, node: Node, body_attr: Node, body: GraphModule, ope
     graph = gm.graph
     placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(operands):
-        raise _fx.Declined(node, f"its body takes {len(placeholders)} inputs but the call passes {len(operands)}")
+        raise Declined(node, f"its body takes {len(placeholders)} inputs but the call passes {len(operands)}")
     env: Dict[Node, object] = dict(zip(placeholders, operands))  # by position: the names do not match
     with graph.inserting_before(node):
         for inner in body.graph.nodes:
@@ -184,20 +188,20 @@ def _inline(gm: GraphModule, node: Node, body_attr: Node, body: GraphModule, ope
                 continue
             if inner.op == "get_attr":  # a region kept inside the body: move its sub-module along
                 name = _fresh_attr(gm, inner.target)
-                setattr(gm, name, _fx.fetch_attr(body, inner.target))
+                setattr(gm, name, fetch_attr(body, inner.target))
                 new = graph.get_attr(name)
                 new.meta = copy.copy(inner.meta)
             else:
                 new = graph.node_copy(inner, lambda n: env[n])
             env[inner] = new
-    results = map_arg(_fx.output_node(body.graph).args[0], lambda n: env[n])
+    results = map_arg(body.graph.output_node().args[0], lambda n: env[n])
     if not isinstance(results, (tuple, list)):
-        raise _fx.Declined(node, "its body does not return a tuple of results")
-    for index, getitems in _fx.getitem_users(node).items():
+        raise Declined(node, "its body does not return a tuple of results")
+    for index, getitems in getitem_users(node).items():
         value = results[index]
         for getitem in getitems:
             if getitem.users and not isinstance(value, Node):
-                raise _fx.Declined(node, f"its output {index} is the constant {value!r}, which is used")
+                raise Declined(node, f"its output {index} is the constant {value!r}, which is used")
             if getitem.users:
                 getitem.replace_all_uses_with(value)
             graph.erase_node(getitem)
@@ -230,40 +234,35 @@ def _region_note(node: Node, where: str) -> Optional[str]:
 def _flatten(gm: GraphModule, state: _State, inference: bool, counts: Counter, notes: List[str],
              facts: List[str]) -> None:
     """Inline every region of ``gm``; ``notes`` collects kept regions and risks, ``facts`` what was done."""
-    for node in list(_fx.calls(gm.graph, _REGIONS)):
+    for node in list(calls(gm.graph, _REGIONS)):
         body_attr, operands, inner = _parts(node, state)
-        body = _fx.fetch_attr(gm, body_attr.target)  # resolved in the module that owns this call
+        body = fetch_attr(gm, body_attr.target)  # resolved in the module that owns this call
         where = _where(node, body)
         # The body's own ops first, under this region's state; then the nested regions, each under its own
         # state, inlined into the body before the body is inlined here.
         casts = _materialise_autocast(body, inner)
         _flatten(body, inner, inference, counts, notes, facts)
         if casts:
-            facts.append(f"{casts} autocast cast(s) written out as {_fx.op_name(_CAST)} in the region at {where}")
+            facts.append(f"{casts} autocast cast(s) written out as {op_name(_CAST)} in the region at {where}")
         note = _region_note(node, where)
         if note:
             notes.append(note)
         if node.target is _SET_GRAD and not inference:
-            notes.append(f"kept {_fx.op_name(node.target)} at {where}: the program has loss or "
+            notes.append(f"kept {op_name(node.target)} at {where}: the program has loss or "
                          "gradient outputs, where grad mode matters")
             continue
-        _inline(gm, node, body_attr, body, operands)
-        counts[_fx.op_name(node.target)] += 1
+        with rewriting(node):
+            _inline(gm, node, body_attr, body, operands)
+        counts[op_name(node.target)] += 1
 
 
-def inline_autocast_regions(ep: ExportedProgram) -> RewriteResult:
-    _fx.require_program(ep, NAME)
-    if not _has_regions(ep):
-        return RewriteResult.unchanged(NAME, ep)
-    work = _fx.copy_program(ep)
+def _inlined(ep: ExportedProgram) -> RewriteResult:
+    work = copy_program(ep)
     counts: Counter = Counter()
     notes: List[str] = []
     facts: List[str] = []
-    try:
-        _flatten(work.graph_module, {}, _fx.is_inference_program(ep), counts, notes, facts)
-        program = _fx.finish(work) if counts else None
-    except _fx.Declined as declined:
-        return RewriteResult.decline(NAME, ep, str(declined))
+    _flatten(work.graph_module, {}, is_inference_program(ep), counts, notes, facts)
+    program = finish(work) if counts else None
     for note in notes:
         log.warning("%s: %s", NAME, note)
     for fact in facts:
@@ -274,3 +273,11 @@ def inline_autocast_regions(ep: ExportedProgram) -> RewriteResult:
         result.notes.extend(notes)
         return result
     return RewriteResult.rewritten(NAME, program, counts, notes)
+
+
+@rewrite(NAME)
+def inline_autocast_regions(ep: ExportedProgram) -> RewriteResult:
+    require_program(ep, NAME)
+    if not _has_regions(ep):
+        return RewriteResult.unchanged(NAME, ep)
+    return decline_on_failure(NAME, ep, lambda: _inlined(ep))

@@ -53,9 +53,10 @@ from torch.export.graph_signature import InputKind, InputSpec
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from ..errors import RecipeError, RewriteDeclined
-from ._graph import (
+from ..errors import RecipeError
+from .graph import (
     GraphBuilder,
+    decline_on_failure,
     fake_mode_of,
     graph_modules_under,
     hop_bodies,
@@ -65,6 +66,8 @@ from ._graph import (
     op_name,
     rebuild_program,
     replace_state,
+    require_program,
+    rewriting,
     same_size,
     same_value_meta,
     schema_get,
@@ -73,6 +76,7 @@ from ._graph import (
     tensors_in,
     written_args,
 )
+from .registry import rewrite
 from .result import RewriteResult, source_line
 
 NAME = "replace_complex_with_real"
@@ -85,26 +89,18 @@ _SAFE_MEMORY_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
 # ============================================================================================ entry point
 
 
+@rewrite(NAME, complex128_as="rotary_pairs")
 def replace_complex_with_real(ep: ExportedProgram, complex128_as: str = "float64") -> RewriteResult:
     """Rewrite every complex value of ``ep`` as a real pair, or decline and return ``ep`` untouched."""
-    if not isinstance(ep, ExportedProgram):
-        raise RewriteDeclined(
-            f"{NAME} needs a torch.export.ExportedProgram, got {type(ep).__name__}",
-            "pass the program torch.export.export returned",
-        )
+    require_program(ep, NAME)
     pairs = _pair_dtypes(complex128_as)
     found = _match(ep)
     if isinstance(found, str):
         return RewriteResult.decline(NAME, ep, found)
     if not found.placeholders and not found.nodes:
         return RewriteResult.unchanged(NAME, ep)
-    try:
-        program, counts, notes = _rewrite(ep, found, pairs)
-    except _NodeFailed as failed:
-        return RewriteResult.decline(NAME, ep, str(failed))
-    except Exception as exc:  # building the new program (signature, verifier) failed: still decline whole
-        return RewriteResult.decline(NAME, ep, f"the rewritten program is not valid: {type(exc).__name__}: {exc}")
-    return RewriteResult.rewritten(NAME, program, counts, notes)
+    # Any failure while rewriting (one node, or building the new program) declines the whole program.
+    return decline_on_failure(NAME, ep, lambda: _rewrite(ep, found, pairs))
 
 
 def _pair_dtypes(complex128_as: str) -> Dict[torch.dtype, torch.dtype]:
@@ -509,14 +505,6 @@ def _check_outputs(node: Node, signature) -> Optional[str]:
 # ============================================================================================ pass 2: rewriting
 
 
-class _NodeFailed(Exception):
-    def __init__(self, node: Node, exc: Exception):
-        super().__init__(
-            f"rewriting {op_name(node.target) if node.op == 'call_function' else node.op} {node.name} at "
-            f"{_where(node)} failed: {type(exc).__name__}: {exc}"
-        )
-
-
 class _Rewriter(GraphBuilder):
     """GraphBuilder plus the pair vocabulary the rules are written in."""
 
@@ -550,7 +538,7 @@ class _Rewriter(GraphBuilder):
             return self.call(aten.reshape.default, args, kwargs, tag="reshape")
 
 
-def _rewrite(ep: ExportedProgram, found: _Found, pairs: Dict[torch.dtype, torch.dtype]):
+def _rewrite(ep: ExportedProgram, found: _Found, pairs: Dict[torch.dtype, torch.dtype]) -> RewriteResult:
     rw = _Rewriter(ep, pairs)
     state_dict, constants = dict(ep.state_dict), dict(ep.constants)
     counts: Counter = Counter()
@@ -558,7 +546,7 @@ def _rewrite(ep: ExportedProgram, found: _Found, pairs: Dict[torch.dtype, torch.
     renamed: Dict[str, str] = {}
     for node in ep.graph.nodes:
         rw.start(node)
-        try:
+        with rewriting(node):
             if node in found.placeholders:
                 new = rw.copy(node, recompute=False)
                 replace_state(ep, found.placeholders[node], new, rw.fake_mode,
@@ -575,8 +563,6 @@ def _rewrite(ep: ExportedProgram, found: _Found, pairs: Dict[torch.dtype, torch.
                 new = rw.copy(node, recompute=dirty)
                 if dirty and not same_value_meta(node.meta.get("val"), new.meta.get("val"), strides=False):
                     raise RuntimeError("a real op downstream of the rewrite changed its dtype or shape")
-        except Exception as exc:
-            raise _NodeFailed(node, exc) from exc
         rw.env[node] = new
         if node.op != "output" and not same_value_meta(node.meta.get("val"), new.meta.get("val")):
             changed.add(node)
@@ -584,8 +570,7 @@ def _rewrite(ep: ExportedProgram, found: _Found, pairs: Dict[torch.dtype, torch.
             renamed[node.name] = new.name
     rw.graph.lint()
     program = rebuild_program(ep, rw.graph, state_dict=state_dict, constants=constants, renamed=renamed)
-    notes = _notes(found, pairs)
-    return program, counts, notes
+    return RewriteResult.rewritten(NAME, program, counts, _notes(found, pairs))
 
 
 def _check_pair(old: Node, new: Node, pairs: Dict[torch.dtype, torch.dtype]) -> None:

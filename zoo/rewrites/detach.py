@@ -25,42 +25,49 @@ from typing import List
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from . import _fx
+from .graph import (aten, calls, copy_program, decline_on_failure, finish, graph_modules_under,
+                    is_inference_program, op_name, require_program)
+from .registry import rewrite
 from .result import RewriteResult, source_line
 
 NAME = "replace_detach_with_alias"
 
 _REPLACEMENTS = {
-    _fx.aten.detach.default: _fx.aten.alias.default,
-    _fx.aten.detach_copy.default: _fx.aten.alias_copy.default,
+    aten.detach.default: aten.alias.default,
+    aten.detach_copy.default: aten.alias_copy.default,
 }
 
 
 def _match(ep: ExportedProgram) -> List[Node]:
-    return [n for gm in _fx.all_graph_modules(ep.graph_module) for n in _fx.calls(gm.graph, _REPLACEMENTS)]
+    return [n for gm in graph_modules_under(ep.graph_module) for n in calls(gm.graph, _REPLACEMENTS)]
 
 
 def _rewrite(nodes: List[Node]) -> Counter:
     counts: Counter = Counter()
     for node in nodes:
-        counts[_fx.op_name(node.target)] += 1
+        counts[op_name(node.target)] += 1
         # Same argument, same value meta: detach and alias are both views of x with x's strides.
         node.target = _REPLACEMENTS[node.target]
     return counts
 
 
+def _rewritten_copy(ep: ExportedProgram) -> RewriteResult:
+    work = copy_program(ep)
+    counts = _rewrite(_match(work))
+    return RewriteResult.rewritten(NAME, finish(work), counts)
+
+
+@rewrite(NAME)
 def replace_detach_with_alias(ep: ExportedProgram) -> RewriteResult:
-    _fx.require_program(ep, NAME)
+    require_program(ep, NAME)
     found = _match(ep)
     if not found:
         return RewriteResult.unchanged(NAME, ep)
-    if not _fx.is_inference_program(ep):
+    if not is_inference_program(ep):
         node = found[0]
         return RewriteResult.decline(
             NAME, ep,
-            f"{_fx.op_name(node.target)} at {source_line(node)}: the program has loss or gradient outputs, "
+            f"{op_name(node.target)} at {source_line(node)}: the program has loss or gradient outputs, "
             "where detach decides which gradients flow; export the forward (inference) program instead",
         )
-    work = _fx.copy_program(ep)
-    counts = _rewrite(_match(work))
-    return RewriteResult.rewritten(NAME, _fx.finish(work), counts)
+    return decline_on_failure(NAME, ep, lambda: _rewritten_copy(ep))

@@ -25,8 +25,9 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import Graph, Node
 
-from ..errors import ExportError
-from ._graph import fake_mode_of, rebuild_program, replace_state, set_value, state_tensor, state_writer
+from .graph import (decline_on_failure, fake_mode_of, rebuild_program, replace_state, require_program, rewriting,
+                    set_value, state_tensor, state_writer)
+from .registry import rewrite
 from .result import RewriteResult
 
 NAME = "split_float64_constants"
@@ -69,25 +70,19 @@ def find_float64_state(ep: ExportedProgram) -> Tuple[Dict[int, str], str]:
 # --- rewriting ------------------------------------------------------------------------------------------------
 
 
+@rewrite(NAME)
 def split_float64_constants(ep: ExportedProgram) -> RewriteResult:
-    if not isinstance(ep, ExportedProgram):
-        raise ExportError(f"{NAME} takes a torch.export ExportedProgram, got {type(ep).__name__}",
-                          "pass the program torch.export.export returned")
+    require_program(ep, NAME)
     found, reason = find_float64_state(ep)
     if reason:
         return RewriteResult.decline(NAME, ep, reason)
     if not found:
         return RewriteResult.unchanged(NAME, ep)
-    try:
-        program = _rewrite(ep, found)
-    except Exception as exc:  # a rewrite that fails half way must not leave a half-changed program
-        return RewriteResult.decline(NAME, ep, f"rebuilding float64 constants failed: {exc}")
-    counts = Counter({"float64 constant": len(found)})
-    notes = [f"{target}: stored as float32 (hi, lo), rebuilt in float64 in the graph" for target in found.values()]
-    return RewriteResult.rewritten(NAME, program, counts, notes)
+    # A rewrite that fails half way declines the whole program: it must not leave a half-changed one.
+    return decline_on_failure(NAME, ep, lambda: _rewrite(ep, found))
 
 
-def _rewrite(ep: ExportedProgram, found: Dict[int, str]) -> ExportedProgram:
+def _rewrite(ep: ExportedProgram, found: Dict[int, str]) -> RewriteResult:
     fake_mode = fake_mode_of(ep)
     graph = Graph()
     env: Dict[Node, Node] = {}
@@ -98,8 +93,9 @@ def _rewrite(ep: ExportedProgram, found: Dict[int, str]) -> ExportedProgram:
         new = graph.placeholder(old.name)
         new.meta.update({k: v for k, v in old.meta.items() if k != "val"})
         if index in found:
-            replace_state(ep, ep.graph_signature.input_specs[index], new, fake_mode, split_pair, state_dict,
-                          constants, requires_grad=False)
+            with rewriting(old):
+                replace_state(ep, ep.graph_signature.input_specs[index], new, fake_mode, split_pair, state_dict,
+                              constants, requires_grad=False)
             rebuilt_from[new] = old
         else:
             new.meta["val"] = old.meta.get("val")
@@ -107,11 +103,12 @@ def _rewrite(ep: ExportedProgram, found: Dict[int, str]) -> ExportedProgram:
     # c' = float64(s[0]) + float64(s[1]), built once per constant right after the placeholders.
     for new, old in rebuilt_from.items():
         parts = []
-        for i, half in enumerate(("hi", "lo")):
-            part = _call(graph, fake_mode, f"{old.name}_{half}", _aten.select.int, (new, 0, i))
-            parts.append(_call(graph, fake_mode, f"{old.name}_{half}_f64", _aten._to_copy.default, (part,),
-                               {"dtype": torch.float64}))
-        rebuilt = _call(graph, fake_mode, f"{old.name}_f64", _aten.add.Tensor, tuple(parts))
+        with rewriting(old):
+            for i, half in enumerate(("hi", "lo")):
+                part = _call(graph, fake_mode, f"{old.name}_{half}", _aten.select.int, (new, 0, i))
+                parts.append(_call(graph, fake_mode, f"{old.name}_{half}_f64", _aten._to_copy.default, (part,),
+                                   {"dtype": torch.float64}))
+            rebuilt = _call(graph, fake_mode, f"{old.name}_f64", _aten.add.Tensor, tuple(parts))
         rebuilt.meta["stack_trace"] = old.meta.get("stack_trace")
         env[old] = rebuilt
     for old in ep.graph.nodes:
@@ -119,7 +116,10 @@ def _rewrite(ep: ExportedProgram, found: Dict[int, str]) -> ExportedProgram:
             continue
         env[old] = graph.node_copy(old, lambda n: env[n])
     graph.lint()
-    return rebuild_program(ep, graph, state_dict=state_dict, constants=constants, renamed={})
+    program = rebuild_program(ep, graph, state_dict=state_dict, constants=constants, renamed={})
+    counts = Counter({"float64 constant": len(found)})
+    notes = [f"{target}: stored as float32 (hi, lo), rebuilt in float64 in the graph" for target in found.values()]
+    return RewriteResult.rewritten(NAME, program, counts, notes)
 
 
 def _call(graph: Graph, fake_mode, name: str, target, args: tuple, kwargs: dict = None) -> Node:

@@ -36,12 +36,12 @@ from typing import Any, Dict, List, Optional, Tuple
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from . import _fx
+from .graph import (Declined, aten, calls, copy_program, decline_on_failure, finish, getitem_users,
+                    graph_modules_under, insert_call, op_name, require_program, rewriting, same_size)
+from .registry import rewrite
 from .result import RewriteResult, log, source_line
 
 NAME = "replace_fused_sdpa_with_sdpa"
-
-aten = _fx.aten
 _FUSED = (
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
@@ -64,18 +64,10 @@ def _bind(node: Node) -> Dict[str, Any]:
     return bound
 
 
-def _statically_equal(a, b) -> bool:
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return statically_known_true(a == b)
-
-
 def _keep_reasons(node: Node, bound: Dict[str, Any]) -> List[str]:
     reasons = []
     returns = node.target._schema.returns
-    for index, getitems in sorted(_fx.getitem_users(node).items()):
+    for index, getitems in sorted(getitem_users(node).items()):
         readers = [u.name for g in getitems for u in g.users]
         if index != 0 and readers:
             reasons.append(f"its {returns[index].name} output is used (by {', '.join(readers)})")
@@ -84,7 +76,7 @@ def _keep_reasons(node: Node, bound: Dict[str, Any]) -> List[str]:
         reasons.append("it is causal with a bias, which scaled_dot_product_attention cannot express")
     if bound["is_causal"]:
         lq, lkv = bound["query"].meta["val"].shape[-2], bound["key"].meta["val"].shape[-2]
-        if not _statically_equal(lq, lkv):
+        if not same_size(lq, lkv):
             reasons.append(f"it is causal and L_q == L_kv is not statically known (L_q={lq}, L_kv={lkv}): "
                            "the kernel masks from the top left, a lowered causal SDPA may not")
     return reasons
@@ -94,15 +86,15 @@ def _replacement(node: Node, bound: Dict[str, Any]) -> Tuple[tuple, Dict[str, An
     """SDPA args and kwargs for ``node``; raises Declined where no SDPA call computes the same thing."""
     q, k, v = (bound[n].meta["val"] for n in ("query", "key", "value"))
     hq, hk, hv = q.shape[-3], k.shape[-3], v.shape[-3]
-    if not _statically_equal(hk, hv):
-        raise _fx.Declined(node, f"key and value have different head counts ({hk}, {hv})")
-    gqa = not _statically_equal(hq, hk)
+    if not same_size(hk, hv):
+        raise Declined(node, f"key and value have different head counts ({hk}, {hv})")
+    gqa = not same_size(hq, hk)
     if gqa and not (isinstance(hq, int) and isinstance(hk, int) and hk > 0 and hq % hk == 0):
-        raise _fx.Declined(node, f"{hk} key heads do not divide {hq} query heads, which grouped-query "
+        raise Declined(node, f"{hk} key heads do not divide {hq} query heads, which grouped-query "
                                  "attention (enable_gqa) needs")
     bias: Optional[Node] = bound.get("attn_bias", bound.get("attn_mask"))
     if bias is not None and not bias.meta["val"].dtype.is_floating_point:
-        raise _fx.Declined(node, f"its bias is {bias.meta['val'].dtype}; the fused kernels add the bias, "
+        raise Declined(node, f"its bias is {bias.meta['val'].dtype}; the fused kernels add the bias, "
                                  "while scaled_dot_product_attention reads a boolean mask as keep/drop")
     args = (bound["query"], bound["key"], bound["value"], bias, bound["dropout_p"], bound["is_causal"])
     kwargs: Dict[str, Any] = {}
@@ -116,8 +108,8 @@ def _replacement(node: Node, bound: Dict[str, Any]) -> Tuple[tuple, Dict[str, An
 def _match(ep: ExportedProgram):
     """[(node, replacement or None, keep reasons)] for every fused-attention node, in every graph."""
     plans = []
-    for gm in _fx.all_graph_modules(ep.graph_module):
-        for node in _fx.calls(gm.graph, _FUSED):
+    for gm in graph_modules_under(ep.graph_module):
+        for node in calls(gm.graph, _FUSED):
             bound = _bind(node)
             reasons = _keep_reasons(node, bound)
             plans.append((node, None if reasons else _replacement(node, bound), reasons))
@@ -126,8 +118,9 @@ def _match(ep: ExportedProgram):
 
 def _rewrite(node: Node, args: tuple, kwargs: Dict[str, Any]) -> None:
     graph = node.graph
-    getitems = _fx.getitem_users(node)
-    sdpa = _fx.insert_call(graph, node, _SDPA, args, kwargs, like=node)
+    getitems = getitem_users(node)
+    with rewriting(node):
+        sdpa = insert_call(graph, node, _SDPA, args, kwargs, like=node)
     for getitem in getitems.get(0, []):
         getitem.replace_all_uses_with(sdpa)
     for group in getitems.values():
@@ -136,30 +129,28 @@ def _rewrite(node: Node, args: tuple, kwargs: Dict[str, Any]) -> None:
     graph.erase_node(node)
 
 
-def replace_fused_sdpa_with_sdpa(ep: ExportedProgram) -> RewriteResult:
-    _fx.require_program(ep, NAME)
-    try:
-        plans = _match(ep)
-    except _fx.Declined as declined:
-        return RewriteResult.decline(NAME, ep, str(declined))
+def _replaced(ep: ExportedProgram) -> RewriteResult:
+    plans = _match(ep)
     notes = []
     for node, _, reasons in plans:
         if reasons:
-            note = f"kept {_fx.op_name(node.target)} at {source_line(node)}: {'; '.join(reasons)}"
+            note = f"kept {op_name(node.target)} at {source_line(node)}: {'; '.join(reasons)}"
             log.warning("%s: %s", NAME, note)
             notes.append(note)
     if not any(replacement for _, replacement, _ in plans):
         result = RewriteResult.unchanged(NAME, ep)
         result.notes.extend(notes)
         return result
-    work = _fx.copy_program(ep)
+    work = copy_program(ep)
     counts: Counter = Counter()
-    try:
-        for node, replacement, _ in _match(work):
-            if replacement is not None:
-                counts[_fx.op_name(node.target)] += 1
-                _rewrite(node, *replacement)
-        program = _fx.finish(work)
-    except _fx.Declined as declined:
-        return RewriteResult.decline(NAME, ep, str(declined))
-    return RewriteResult.rewritten(NAME, program, counts, notes)
+    for node, replacement, _ in _match(work):
+        if replacement is not None:
+            counts[op_name(node.target)] += 1
+            _rewrite(node, *replacement)
+    return RewriteResult.rewritten(NAME, finish(work), counts, notes)
+
+
+@rewrite(NAME)
+def replace_fused_sdpa_with_sdpa(ep: ExportedProgram) -> RewriteResult:
+    require_program(ep, NAME)
+    return decline_on_failure(NAME, ep, lambda: _replaced(ep))

@@ -26,9 +26,10 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
-from ..errors import ExportError
-from ._graph import (GraphBuilder, fake_mode_of, graph_modules_under, hop_bodies, is_hop, op_name, rebuild_program,
-                     replace_state, set_value, state_writer)
+from .graph import (Declined, GraphBuilder, decline_on_failure, fake_mode_of, graph_modules_under, hop_bodies,
+                    is_hop, op_name, rebuild_program, replace_state, require_program, rewriting, set_value,
+                    state_writer)
+from .registry import rewrite
 from .result import RewriteResult, source_line
 
 NAME = "narrow_float64"
@@ -82,23 +83,19 @@ def has_float64(ep: ExportedProgram) -> bool:
 # --- rewriting ------------------------------------------------------------------------------------------------
 
 
+@rewrite(NAME)
 def narrow_float64(ep: ExportedProgram) -> RewriteResult:
-    if not isinstance(ep, ExportedProgram):
-        raise ExportError(f"{NAME} takes a torch.export ExportedProgram, got {type(ep).__name__}",
-                          "pass the program torch.export.export returned")
+    require_program(ep, NAME)
     if not has_float64(ep):
         return RewriteResult.unchanged(NAME, ep)
     reason = find_reason_to_decline(ep)
     if reason:
         return RewriteResult.decline(NAME, ep, reason)
-    try:
-        program, counts = _rewrite(ep)
-    except Exception as exc:  # a rewrite that fails half way must not leave a half-changed program
-        return RewriteResult.decline(NAME, ep, f"narrowing float64 failed: {type(exc).__name__}: {exc}")
-    return RewriteResult.rewritten(NAME, program, counts)
+    # A rewrite that fails half way declines the whole program: it must not leave a half-changed one.
+    return decline_on_failure(NAME, ep, lambda: _rewrite(ep))
 
 
-def _rewrite(ep: ExportedProgram):
+def _rewrite(ep: ExportedProgram) -> RewriteResult:
     fake_mode = fake_mode_of(ep)
     builder = GraphBuilder(ep.graph_module, fake_mode)
     state_dict, constants = dict(ep.state_dict), dict(ep.constants)
@@ -109,7 +106,9 @@ def _rewrite(ep: ExportedProgram):
         new.meta.update({k: v for k, v in old.meta.items() if k not in ("val", "tensor_meta")})
         val = old.meta.get("val")
         if _is_f64(val):
-            replace_state(ep, spec, new, fake_mode, lambda t: t.to(F32), state_dict, constants, requires_grad=False)
+            with rewriting(old):
+                replace_state(ep, spec, new, fake_mode, lambda t: t.to(F32), state_dict, constants,
+                              requires_grad=False)
             counts["float64 state"] += 1
         else:
             set_value(new, val)
@@ -130,13 +129,14 @@ def _rewrite(ep: ExportedProgram):
             counts[op_name(old.target)] += 1
         for key in ("val", "tensor_meta"):
             new.meta.pop(key, None)
-        set_value(new, builder.fake_run(old.target, new.args, new.kwargs))
+        with rewriting(old):
+            set_value(new, builder.fake_run(old.target, new.args, new.kwargs))
         if _is_f64(new.meta["val"]):
-            raise RuntimeError(f"{op_name(old.target)} at {source_line(old)} still makes float64")
+            raise Declined(old, "still makes float64 with every float64 argument narrowed")
         builder.env[old] = new
     builder.graph.lint()
     program = rebuild_program(ep, builder.graph, state_dict=state_dict, constants=constants, renamed={})
-    return program, counts
+    return RewriteResult.rewritten(NAME, program, counts)
 
 
 def float64_nodes(ep: ExportedProgram) -> Dict[str, int]:

@@ -6,7 +6,8 @@
             a view of a weight), or
         (c) shares memory with an earlier output (the same tensor returned twice, two views of one tensor).
 
-Every other output, and every buffer-mutation output, is left exactly as it is.
+Every other output, and every buffer-mutation output, is left exactly as it is. A user output with no recorded
+value (a program edited by hand) declines the program: whether it is safe cannot be told.
 
 Why: ExecuTorch CUDA runtimes up to 1.5 copy each method output out of a SlimTensor that must be contiguous
 ("SlimTensor must be contiguous" at run time for a strided view), and release each output handle once, so
@@ -31,12 +32,14 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from torch.fx import Node
 
-from . import _fx
+from .graph import (Declined, aten, copy_program, decline_on_failure, finish, insert_call, op_name, require_program,
+                    rewriting)
+from .registry import rewrite
 from .result import RewriteResult
 
 NAME = "make_outputs_safe"
 
-_CLONE = _fx.aten.clone.default
+_CLONE = aten.clone.default
 
 
 def _aliased_argument(node: Node) -> Optional[Node]:
@@ -78,13 +81,16 @@ def _contiguous(val: torch.Tensor) -> bool:
 
 def _match(ep: ExportedProgram) -> Dict[int, str]:
     """{output position: why it must be cloned} for the user outputs that need it."""
-    outputs = list(_fx.output_node(ep.graph).args[0])
+    outputs = list(ep.graph.output_node().args[0])
     unsafe: Dict[int, str] = {}
     owners: Dict[Node, int] = {}  # storage root -> position of the first output left as it is
     for position, (spec, value) in enumerate(zip(ep.graph_signature.output_specs, outputs)):
         if spec.kind != OutputKind.USER_OUTPUT or not isinstance(value, Node):
             continue
-        val = value.meta.get("val")
+        if "val" not in value.meta:
+            raise Declined(value, f"output {position} has no recorded value, so whether it is contiguous and "
+                                  "owns its memory cannot be checked")
+        val = value.meta["val"]
         if not isinstance(val, torch.Tensor):
             continue
         root = _storage_root(value)
@@ -101,25 +107,31 @@ def _match(ep: ExportedProgram) -> Dict[int, str]:
 
 def _rewrite(ep: ExportedProgram, unsafe: Dict[int, str]) -> Counter:
     graph = ep.graph
-    out = _fx.output_node(graph)
+    out = graph.output_node()
     values: List = list(out.args[0])
     counts: Counter = Counter()
     for position in sorted(unsafe):
         value = values[position]
-        clone = _fx.insert_call(graph, out, _CLONE, (value,), {"memory_format": torch.contiguous_format},
+        with rewriting(value):
+            clone = insert_call(graph, out, _CLONE, (value,), {"memory_format": torch.contiguous_format},
                                 like=value if value.op == "call_function" else None)
         values[position] = clone
-        counts[_fx.op_name(_CLONE)] += 1
+        counts[op_name(_CLONE)] += 1
     out.args = (tuple(values),)
     return counts
 
 
-def make_outputs_safe(ep: ExportedProgram) -> RewriteResult:
-    _fx.require_program(ep, NAME)
+def _make_safe(ep: ExportedProgram) -> RewriteResult:
     if not _match(ep):
         return RewriteResult.unchanged(NAME, ep)
-    work = _fx.copy_program(ep)
+    work = copy_program(ep)
     unsafe = _match(work)
     counts = _rewrite(work, unsafe)
     notes = [f"output {position} {why}: returned as a contiguous clone" for position, why in sorted(unsafe.items())]
-    return RewriteResult.rewritten(NAME, _fx.finish(work), counts, notes)
+    return RewriteResult.rewritten(NAME, finish(work), counts, notes)
+
+
+@rewrite(NAME)
+def make_outputs_safe(ep: ExportedProgram) -> RewriteResult:
+    require_program(ep, NAME)
+    return decline_on_failure(NAME, ep, lambda: _make_safe(ep))
