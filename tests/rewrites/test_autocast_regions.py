@@ -12,9 +12,9 @@ import logging
 import pytest
 import torch
 from torch import nn
-from torch.export import ExportedProgram, export
-from torch.export.graph_signature import OutputKind, OutputSpec
+from torch.export import export
 
+from joint_program import as_joint
 from zoo.rewrites import inline_autocast_regions
 
 aten = torch.ops.aten
@@ -141,16 +141,6 @@ def test_grad_mode_region_of_an_inference_program_is_inlined():
     x = torch.randn(3, 4)
     for w, g in zip(module(x), run(result.program, x)):
         assert w.dtype == g.dtype and torch.equal(w, g)
-
-
-def as_joint(ep):
-    """The same graph declared a forward-backward program (a loss output), which grad mode matters to."""
-    signature = copy.deepcopy(ep.graph_signature)
-    first = signature.output_specs[0]
-    signature.output_specs[0] = OutputSpec(kind=OutputKind.LOSS_OUTPUT, arg=first.arg, target=None)
-    return ExportedProgram(root=ep.graph_module, graph=ep.graph, graph_signature=signature, state_dict=ep.state_dict,
-                           range_constraints=ep.range_constraints, module_call_graph=ep.module_call_graph,
-                           constants=ep.constants)
 
 
 def test_grad_mode_region_of_a_joint_program_is_kept(caplog):

@@ -21,9 +21,9 @@ import pytest
 import torch
 from torch import nn
 from torch.export import Dim, ExportedProgram, export
-from torch.export.graph_signature import OutputKind, OutputSpec
 
 import zoo.rewrites
+from joint_program import as_joint
 from zoo.errors import RecipeError
 from zoo.recipes import Recipe
 from zoo.rewrites import DEFAULT_ORDER, RewriteResult, registry, rewrites_for
@@ -40,16 +40,6 @@ class Case(NamedTuple):
 def exported(module: nn.Module, *inputs: torch.Tensor, dynamic_shapes=None) -> Case:
     module = module.eval()
     return Case(export(module, inputs, dynamic_shapes=dynamic_shapes, strict=False), inputs, module)
-
-
-def joint(ep: ExportedProgram) -> ExportedProgram:
-    """The same graph declared a forward-backward program (its first output a loss)."""
-    signature = copy.deepcopy(ep.graph_signature)
-    first = signature.output_specs[0]
-    signature.output_specs[0] = OutputSpec(kind=OutputKind.LOSS_OUTPUT, arg=first.arg, target=None)
-    return ExportedProgram(root=ep.graph_module, graph=ep.graph, graph_signature=signature, state_dict=ep.state_dict,
-                           range_constraints=ep.range_constraints, module_call_graph=ep.module_call_graph,
-                           constants=ep.constants)
 
 
 # --------------------------------------------------------------------------------------------- the programs
@@ -160,7 +150,7 @@ def declines() -> Dict[str, Callable[[], ExportedProgram]]:
         # 2 key heads do not divide 3 query heads
         "replace_fused_sdpa_with_sdpa": lambda: exported(Flash(), *attention(3, 2)).program,
         # a joint program, where detach decides which gradients flow
-        "replace_detach_with_alias": lambda: joint(exported(Detaching(), x4).program),
+        "replace_detach_with_alias": lambda: as_joint(exported(Detaching(), x4).program),
         # split sizes that are symbols: no slice with integer bounds
         "replace_view_copies": lambda: exported(SymbolicSplit(), torch.randn(2, 7, 3),
                                                 dynamic_shapes=({1: Dim("n", min=4, max=16)},)).program,

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
-from torch.export import ExportedProgram, export
-from torch.export.graph_signature import OutputKind, OutputSpec
+from torch.export import export
 
-
-from zoo.errors import ZooError
 from inductor_probe import inductor_input
+from joint_program import as_joint
+from zoo.errors import ZooError
 from zoo.rewrites import replace_detach_with_alias
 
 aten = torch.ops.aten
@@ -73,13 +70,7 @@ def test_program_without_detach_is_unchanged():
 
 def test_joint_program_is_declined_untouched(detaching):
     # A forward-backward program carries a loss output; there detach decides which gradients flow.
-    specs = list(detaching.graph_signature.output_specs)
-    specs[0] = OutputSpec(kind=OutputKind.LOSS_OUTPUT, arg=specs[0].arg, target=None)
-    signature = copy.deepcopy(detaching.graph_signature)
-    signature.output_specs[:] = specs
-    joint = ExportedProgram(root=detaching.graph_module, graph=detaching.graph, graph_signature=signature,
-                            state_dict=detaching.state_dict, range_constraints=detaching.range_constraints,
-                            module_call_graph=detaching.module_call_graph, constants=detaching.constants)
+    joint = as_joint(detaching)
     before = str(joint.graph)
     result = replace_detach_with_alias(joint)
     assert result.program is joint and not result.changed
