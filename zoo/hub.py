@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 from . import policies, tiny_hub
-from .errors import PullError
+from .errors import PullError, first_line
 from .hub_cache import hub_environment, put_in_cache
 from .progress import say
 
@@ -199,5 +199,4 @@ def _cause(exc: BaseException) -> str:
     cause = exc.__cause__ or exc.__context__
     if cause is None:
         return type(exc).__name__
-    first = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {first[0] if first else ''}".rstrip(": ")
+    return f"{type(cause).__name__}: {first_line(str(cause))}".rstrip(": ")
