@@ -45,11 +45,13 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from zoo import atomic, bench, exporting  # noqa: E402
+from zoo import bench, exporting, gpu_steps, hub, pipeline, policies, tiny_hub  # noqa: E402
 from zoo.errors import ZooError  # noqa: E402
+from zoo.hub_cache import hub_environment, put_in_cache  # noqa: E402
 from zoo.policies.base import ExportUnit  # noqa: E402
 from zoo.recipes import load_recipe  # noqa: E402
-from zoo.report import RunReport  # noqa: E402
+from zoo.report import RunReport, timed_stage  # noqa: E402
+from zoo.run_folder import RunFolder  # noqa: E402
 
 SAVE_PROGRAMS_MAX_BYTES = 1 << 30  # above this, .pt2 copies of the weights cost more disk than they are worth
 
@@ -128,15 +130,13 @@ def placeholder_checkpoint(config, folder: Path) -> Path:
 
 
 def build_llama(recipe, work: Path) -> ExportUnit:
-    from zoo import hub, tiny_hub
-    from zoo.policies import load_family
-
     with tiny_hub.fabricated_hub(recipe, cache_dir=work / "hub"):
         checkpoint = hub.pull(recipe)
-        return load_family("llama").build_unit(checkpoint.path, recipe)
+        return policies.load_family("llama").build_unit(checkpoint.path, recipe)
 
 
 def build_lingbot_va(recipe, work: Path) -> ExportUnit:
+    # Imported here: they need lerobot (the policies extra), which the llama unit and --help do not.
     from lerobot.policies.lingbot_va import LingBotVAPolicy
 
     from zoo.policies import lingbot_va
@@ -150,11 +150,11 @@ def build_lingbot_va(recipe, work: Path) -> ExportUnit:
 
 
 def build_fast_wam(recipe, work: Path) -> ExportUnit:
+    # Imported here: they need lerobot (the policies extra), which the llama unit and --help do not.
     from lerobot.policies.fastwam.configuration_fastwam import FastWAMConfig
     from lerobot.policies.fastwam.modeling_fastwam import FastWAMPolicy
     from lerobot.policies.fastwam.processor_fastwam import make_fastwam_pre_post_processors
 
-    from zoo.hub_cache import hub_environment, put_in_cache
     from zoo.policies import fast_wam
 
     fields = dict(recipe.unit.options.fabricate_config)  # empty: FastWAMConfig's real defaults
@@ -237,109 +237,74 @@ def unit_candidates(unit: ExportUnit, method: str, unit_dir: Path, device: str, 
     return cands
 
 
-class Stages:
-    """Each stage timed and recorded by the pipeline's own ``timed_stage`` into the unit's run report; the
-    unit's record mirrors the report's stages for the bench table. A failure ends the unit, not the run."""
-
-    def __init__(self, record: Dict[str, Any], report: RunReport):
-        self.record, self.report = record, report
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[Dict[str, Any]]:
-        from zoo.pipeline import timed_stage
-
-        try:
-            with timed_stage(self.report, name, f"{self.record['unit']}: {name}") as facts:
-                yield facts
-        finally:
-            self._mirror()
-
-    def skip(self, name: str, why: str) -> None:
-        self.report.stage(name, "skipped", None, why)
-        self._mirror()
-
-    def _mirror(self) -> None:
-        self.record["stages"] = {s["stage"]: {"status": s["status"], "seconds": s["seconds"], "detail": s["detail"]}
-                                 for s in self.report.stages}
+def selected_methods(unit: ExportUnit, methods: List[str]) -> ExportUnit:
+    """The unit with only ``methods``, in that order."""
+    unknown = [m for m in methods if m not in unit.methods]
+    if unknown:
+        raise ZooError(f"unit of {unit.family}: no method(s) {unknown}", f"methods: {', '.join(unit.methods)}")
+    return dataclasses.replace(unit, methods={m: unit.methods[m] for m in methods})
 
 
 def run_unit(spec: UnitSpec, args, out_dir: Path, results: Dict[str, Any]) -> None:
-    from zoo import pipeline
-
+    """One unit through the pipeline's own steps (build, export, rewrite, save, preflight, lower, verify), each
+    recorded into the unit's run report by the pipeline's stage recorder, then timed. A failure ends the unit,
+    not the run; the unit's record mirrors the report's stages for the bench table."""
     recipe = unit_recipe(spec, args.tiny)
     unit_name = spec.name if not args.tiny else f"{spec.name} (tiny)"
-    unit_dir = out_dir / spec.name
-    unit_dir.mkdir(parents=True, exist_ok=True)
+    run = RunFolder(out_dir / spec.name)
+    run.path.mkdir(parents=True, exist_ok=True)
     record: Dict[str, Any] = {"unit": unit_name, "recipe": recipe.name, "dtype": recipe.unit.dtype, "stages": {}}
     results["units"].append(record)
-    report = RunReport(unit_dir, recipe.to_dict())
-    stage = Stages(record, report)
-    atomic.write_text(unit_dir / "recipe.yaml", recipe.to_yaml())
+    report = RunReport(run.path, recipe.to_dict())
+    run.write_recipe(recipe)
     try:
         sizes = exporting.example_sizes(recipe)
         # Sizes outside the recipe's dynamic range fail here, before minutes of building and lowering.
         cases = bench.size_cases({"example_sizes": sizes, "dynamic": {d: {"min": r.min, "max": r.max}
                                                                       for d, r in recipe.dynamic.items()}},
                                  {"seq": spec.sizes} if spec.sizes else {})
-        with tempfile.TemporaryDirectory(prefix="zoo-bench-build-") as work:
-            with stage("build") as facts:
-                unit = build_unit(spec, recipe, Path(work))
-                params = sum(p.numel() * p.element_size() for p in torch.nn.ModuleList(
-                    [m.module for m in unit.methods.values()]).parameters())
-                facts["detail"] = f"{params / 2**30:.2f} GiB of seeded random weights"
         methods = spec.methods or list(recipe.unit.methods)
-        unknown = [m for m in methods if m not in unit.methods]
-        if unknown:
-            raise ZooError(f"unit {spec.name}: no method(s) {unknown}", f"methods: {', '.join(unit.methods)}")
         record["methods"] = methods
-        spec_json = pipeline.io_spec(unit, recipe)
-        spec_json["methods"] = {m: spec_json["methods"][m] for m in methods}
-        atomic.write_json(unit_dir / "io_spec.json", spec_json)
-        atomic.write_json(unit_dir / "host_settings.json", unit.host_settings)
+        # The steps see the selected methods only: the recipe (for export, io_spec.json, verification) and the
+        # unit (built from the whole recipe, since a family builds the methods its recipe names).
+        selected = dataclasses.replace(recipe, unit=dataclasses.replace(recipe.unit, methods=list(methods)))
+        with tempfile.TemporaryDirectory(prefix="zoo-bench-build-") as work:
+            unit = pipeline.build_step(None, selected, run, report,
+                                       build=lambda: selected_methods(build_unit(spec, recipe, Path(work)), methods))
+        params = sum(p.numel() * p.element_size() for p in torch.nn.ModuleList(
+            [m.module for m in unit.methods.values()]).parameters())
+        record["weights_gib"] = round(params / 2**30, 2)
         save = params <= SAVE_PROGRAMS_MAX_BYTES
-        with stage("export") as facts:
-            programs = {m: exporting.export_method(unit.methods[m], recipe, sizes) for m in methods}
-            if save:
-                for m, ep in programs.items():
-                    pipeline.save_program(ep, unit_dir / pipeline.program_file("exported", m))
-                if recipe.unit.dtype == "bfloat16" and not args.no_verify and verify_module() is not None:
-                    # What verification judges a bf16 artifact against.
-                    reference = exporting.float32_copy(unit)
-                    for m in methods:
-                        pipeline.save_program(exporting.export_method(reference.methods[m], recipe, sizes),
-                                              unit_dir / pipeline.program_file("reference_fp32", m))
-                    del reference
-            facts["detail"] = f"{', '.join(methods)} at {sizes}"
-        with stage("rewrite") as facts:
-            rewritten = {m: pipeline.apply_rewrites(ep, recipe, m)[0] for m, ep in programs.items()}
-            if save:
-                for m, ep in rewritten.items():
-                    pipeline.save_program(ep, unit_dir / pipeline.program_file("rewritten", m))
-            facts["detail"] = ", ".join(recipe.rewrites)
+        verify = save and not args.no_verify  # verification compares with the saved programs
+        programs, _ = pipeline.export_step(unit, selected, run, report, save=save, reference=verify)
+        rewritten = pipeline.rewrite_step(programs, selected, report)
+        if save:
+            pipeline.save_step(rewritten, selected, run, report)
         del programs
         gc.collect()
         if torch.device(args.device).type == "cuda":
-            from zoo import lowering
-
-            with stage("lower") as facts:
-                lowered = lowering.lower_to_pte(rewritten, unit_dir, recipe)
-                report.record("lowering", lowered.as_dict())
-                facts["detail"] = (f"model.pte {lowered.pte_bytes / 2**20:.1f} MiB, "
-                                   f"ptd {lowered.ptd_bytes / 2**20:.1f} MiB")
+            gpu_steps.preflight_step(rewritten, selected, report)
+            gpu_steps.lower_step(rewritten, run, selected, report)
             del rewritten
             gc.collect()
             if args.no_verify:
-                stage.skip("verify", "--no-verify")
+                report.stage("verify", "skipped", None, "--no-verify")
+            elif not save:
+                report.stage("verify", "skipped", None, "programs not saved at this size; the bench table's "
+                                                        "artifact-vs-eager agreement on the timed inputs stands in")
             else:
-                verify_step(stage, report, unit_dir, recipe, methods, save)
+                try:
+                    gpu_steps.verify_step(run, selected, report)
+                except Exception:  # recorded by the stage; the bench still runs and shows how far off it is
+                    pass
         else:
             for name in ("lower", "verify"):
-                stage.skip(name, "needs a CUDA GPU")
-        record["artifact_sizes"] = bench.artifact_sizes(unit_dir)
+                report.stage(name, "skipped", None, "needs a CUDA GPU")
+        record["artifact_sizes"] = bench.artifact_sizes(run.path)
         dynamic = True if recipe.dynamic else None  # the artifact covers the range with one compile; so does this
-        with stage("bench") as facts:
+        with timed_stage(report, "bench", f"{unit_name}: bench") as facts:
             for m in methods:
-                cands = unit_candidates(unit, m, unit_dir, args.device, not args.no_compile, dynamic)
+                cands = unit_candidates(unit, m, run.path, args.device, not args.no_compile, dynamic)
                 specs = unit.methods[m].inputs
                 timed = bench.bench_method(m, specs, cases, cands, args.warmup, args.runs, args.device,
                                            args.input_sets, profile=args.profile)
@@ -354,59 +319,27 @@ def run_unit(spec: UnitSpec, args, out_dir: Path, results: Dict[str, Any]) -> No
                     results.setdefault("carried_state", []).append(r)
             facts["detail"] = f"{len(cases)} size(s) x {len(methods)} method(s)"
         record["status"] = "done"
-        if params > SAVE_PROGRAMS_MAX_BYTES and not args.keep_artifacts:
-            drop_large_weights(unit_dir, record)
+        if not save and not args.keep_artifacts:
+            drop_large_weights(run, methods, record)
     except Exception as exc:  # one unit failing (out of memory, a lowering refusal) must not lose the others
         record["status"] = "failed"
         record["error"] = bench.error_line(exc)
         record["traceback"] = traceback.format_exc(limit=8)
         say(f"{unit_name} failed: {bench.error_line(exc)}")
     finally:
+        record["stages"] = {s["stage"]: {"status": s["status"], "seconds": s["seconds"], "detail": s["detail"]}
+                            for s in report.stages}
         report.record("status", record.get("status", "failed"))
-        report.write()
+        run.write_report(report)
 
 
-def verify_module():
-    """zoo's verification step, where this checkout has it (None otherwise)."""
-    import importlib
-
-    try:
-        return importlib.import_module("zoo.verify")
-    except ImportError:
-        return None
-
-
-def verify_step(stage: Stages, report: RunReport, unit_dir: Path, recipe, methods: List[str], saved: bool) -> None:
-    """zoo's own verification of the lowered methods, when the programs it compares with were saved. A
-    failure is recorded and the bench still runs: its table then shows how far the artifact is from eager."""
-    verify = verify_module()
-    if verify is None:
-        stage.skip("verify", "zoo.verify is not in this checkout; the bench table's artifact-vs-eager agreement "
-                             "on the timed inputs stands in")
-        return
-    if not saved:
-        stage.skip("verify", "programs not saved at this size; the bench table's artifact-vs-eager agreement "
-                             "on the timed inputs stands in")
-        return
-    lowered = dataclasses.replace(recipe, unit=dataclasses.replace(recipe.unit, methods=list(methods)))
-    try:
-        with stage("verify") as facts:
-            result = verify.verify_artifact(unit_dir, lowered)
-            record = result.summary() if hasattr(result, "summary") else (
-                dataclasses.asdict(result) if dataclasses.is_dataclass(result) else result)
-            report.record("verification", record)
-            facts["detail"] = "passed"
-    except Exception:  # recorded by the stage; the timing is still worth having
-        pass
-
-
-def drop_large_weights(unit_dir: Path, record: Dict[str, Any]) -> None:
+def drop_large_weights(run: RunFolder, methods: List[str], record: Dict[str, Any]) -> None:
     """Remove the weights files of a large unit once it is measured (their sizes stay in the record): two
     real-size units' .ptd plus extracted blobs would not fit on a 64 GB disk together."""
-    for path in [unit_dir / "aoti_cuda_blob.ptd"] + sorted((unit_dir / "so").glob("*.weights.blob")):
+    for path in [run.ptd] + [run.weights_file(m) for m in methods]:
         if path.is_file():
             path.unlink()
-            record.setdefault("removed_after_bench", []).append(str(path.relative_to(unit_dir)))
+            record.setdefault("removed_after_bench", []).append(str(path.relative_to(run.path)))
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from zoo.report import format_table, markdown_table  # noqa: E402
+from zoo.run_folder import RunFolder  # noqa: E402
 
 TINY = ("llama-rope-tiny", "lingbot-va-tiny", "fast-wam-tiny")
 STAGES = ("export", "rewrite", "cpu_check", "preflight", "lower", "audit", "verify")
@@ -51,10 +52,10 @@ def _run(name: str, cmd: List[str], log: Path, timeout: int, run_dir: Path) -> D
 
 
 def summarise(run_dir: Path) -> Dict:
-    path = run_dir / "report.json"
-    if not path.exists():
+    run = RunFolder(run_dir)
+    if not run.is_run():
         return {"stages": {}, "verdict": "no report"}
-    data = json.loads(path.read_text())
+    data = run.read_report().data
     stages = {s["stage"]: (s["status"], s.get("seconds")) for s in data.get("stages", [])}
     ver = data.get("verification") or {}
     rows = ver.get("rows") or []
@@ -78,7 +79,7 @@ def broken_artifact(runs: Path, good: str, other: str, out_name: str, timeout: i
     broken = runs / out_name
     shutil.rmtree(broken, ignore_errors=True)
     shutil.copytree(runs / good, broken)
-    shutil.copyfile(runs / other / "aoti_cuda_blob.ptd", broken / "aoti_cuda_blob.ptd")
+    shutil.copyfile(RunFolder(runs / other).ptd, RunFolder(broken).ptd)
     cmd = [sys.executable, "-m", "zoo.lower", str(broken), "--verify-only"]
     result = _run(out_name, cmd, runs / f"{out_name}.log", timeout, broken)
     result["expected"] = "exit 3 (verification failed)"
@@ -153,9 +154,9 @@ def main() -> int:
         save()
 
     for r in results:
-        report = args.runs / r["name"] / "report.md"
+        report = RunFolder(args.runs / r["name"]).report_md
         if report.exists():
-            shutil.copyfile(report, args.out / f"{r['name']}.report.md")
+            shutil.copyfile(report, args.out / f"{r['name']}.{report.name}")
     rows = table(results)
     (args.out / "e2e.md").write_text(markdown_table(rows) + "\n")
     save()

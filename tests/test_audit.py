@@ -13,6 +13,7 @@ import pytest
 
 from zoo import audit
 from zoo.errors import LoweringError
+from zoo.runtimes import load_runtimes
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "so"
 # What every fixture's C source references as undefined aoti_torch_* functions (see aoti_needs.c).
@@ -22,7 +23,7 @@ RELEASES = ["1.2", "1.3", "1.4", "1.5"]
 
 
 def test_runtime_table_has_every_release_and_each_extends_the_one_before():
-    runtimes = audit.load_runtimes()
+    runtimes = load_runtimes()
     assert list(runtimes) == RELEASES
     for older, newer in zip(RELEASES, RELEASES[1:]):
         assert runtimes[older].symbols < runtimes[newer].symbols
@@ -45,7 +46,7 @@ def test_release_1_2_matches_the_shim_names_shipped_in_the_executorch_wheel():
     if lib is None:
         pytest.skip("this executorch wheel has no data/lib/aoti_cuda_shims.lib")
     shipped = set(re.findall(rb"aoti_torch[a-z0-9_]*", lib.read_bytes()))
-    assert {s.decode() for s in shipped} == audit.load_runtimes()["1.2"].symbols
+    assert {s.decode() for s in shipped} == load_runtimes()["1.2"].symbols
 
 
 def test_undefined_symbols_are_read_from_the_dynamic_table():

@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 import zoo.lowering as lowering
-from zoo import audit
+from zoo import artifact, audit
 from zoo.errors import LoweringError, NoGpuError
 from zoo.recipes import Lowering, Recipe, Source, Unit
+from zoo.run_folder import RunFolder
 
 from conftest import ToyPermuted
 
@@ -68,11 +69,11 @@ def lowered(tmp_path_factory):
 def test_one_pte_with_both_methods_and_one_ptd(lowered):
     out, result = lowered["out"], lowered["result"]
     assert (out / "model.pte").is_file() and (out / "aoti_cuda_blob.ptd").is_file()
-    methods, named = lowering.read_pte(out / "model.pte")
+    methods, named = artifact.read_pte(out / "model.pte")
     assert sorted(methods) == ["permuted", "pool"]
     assert {m.backend for m in methods.values()} == {"CudaBackend"}
     assert sorted(named) == ["permuted_so_blob", "pool_so_blob"]  # the .so files live inside the .pte
-    assert sorted(lowering.read_ptd_index(out / "aoti_cuda_blob.ptd")) == ["permuted_weights_blob",
+    assert sorted(artifact.read_ptd_index(out / "aoti_cuda_blob.ptd")) == ["permuted_weights_blob",
                                                                           "pool_weights_blob"]
     assert result.pte_bytes == (out / "model.pte").stat().st_size
     assert result.ptd_bytes == (out / "aoti_cuda_blob.ptd").stat().st_size
@@ -101,7 +102,7 @@ def test_delegate_io_order_is_recorded_beside_the_so(lowered):
     assert permuted["input_names"] == ["a", "b", "c"]
     assert permuted["input_order"] == [2, 1, 0]  # c (into the linear) first, then b, then a
     assert permuted["output_order"] == [0]
-    pool = lowering.load_io_order(out, "pool")
+    pool = RunFolder(out).io_order("pool")
     assert pool["input_order"] == [0, 1] and pool["output_order"] == [0]
     # The pool buffer lives inside the pool method's .so: 16 x 4 float32, stored once per method.
     assert pool["mutable_buffers"] == {"pool": 16 * 4 * 4}
@@ -216,7 +217,7 @@ def test_inductor_settings_apply_inside_and_restore_after(monkeypatch, tmp_path)
 
 def test_flatc_is_found_and_runnable(monkeypatch):
     monkeypatch.delenv("FLATC_EXECUTABLE", raising=False)
-    path = lowering.ensure_flatc()
+    path = artifact.ensure_flatc()
     assert os.environ["FLATC_EXECUTABLE"] == path
     assert Path(path).name == "flatc" and os.access(path, os.X_OK)
 
@@ -225,6 +226,6 @@ def test_reading_a_foreign_file_is_a_zoo_error(tmp_path):
     bad = tmp_path / "model.pte"
     bad.write_bytes(b"\0" * 64)
     with pytest.raises(LoweringError, match="not a readable ExecuTorch program"):
-        lowering.read_pte(bad)
+        artifact.read_pte(bad)
     with pytest.raises(LoweringError, match="not an ExecuTorch data file"):
-        lowering.read_ptd_index(bad)
+        artifact.read_ptd_index(bad)

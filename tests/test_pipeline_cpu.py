@@ -378,31 +378,27 @@ def test_stale_staging_of_a_dead_run_is_removed(test_recipe, toy_family, tmp_pat
     assert not stale.exists()
 
 
-def fake_gpu(monkeypatch, lower_run):
-    """A CUDA machine as far as the pipeline can tell, with zoo.lower.lower_run replaced by ``lower_run``."""
-    import zoo.lower
+def fake_gpu(monkeypatch, run_gpu_steps):
+    """A CUDA machine as far as the pipeline can tell, with zoo.gpu_steps.run_gpu_steps replaced by
+    ``run_gpu_steps``."""
+    import zoo.gpu_steps
 
     monkeypatch.setattr(pipeline.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(pipeline.torch.cuda, "get_device_name", lambda *a: "test GPU")
-    monkeypatch.setattr(zoo.lower, "lower_run", lower_run)
+    monkeypatch.setattr(zoo.gpu_steps, "run_gpu_steps", run_gpu_steps)
 
 
 def test_gpu_steps_continue_the_same_report(test_recipe, toy_family, tmp_path, monkeypatch):
-    from zoo.report import RunReport
-
     seen = {}
 
-    def lower_run(run_dir, overrides=()):
-        # What zoo.lower finds: the saved programs, the resolved recipe and the report so far.
-        seen["files"] = sorted(p.name for p in Path(run_dir).iterdir())
-        report = RunReport.load(run_dir)
+    def run_gpu_steps(run, recipe, report, **options):
+        # What the GPU steps find: the saved programs and the resolved recipe in the folder, the report so far.
+        seen["files"] = sorted(p.name for p in run.path.iterdir())
         seen["stages"] = [s["stage"] for s in report.stages]
         report.stage("lower", "done", 1.0, "model.pte")
         report.record("status", "verified")
-        report.write()
-        return report
 
-    fake_gpu(monkeypatch, lower_run)
+    fake_gpu(monkeypatch, run_gpu_steps)
     report = pipeline.run_pipeline(test_recipe("toy-pool"), tmp_path / "run")
     assert {"recipe.yaml", "io_spec.json", "rewritten.write.pt2", "rewritten.read.pt2", "report.json"} <= set(seen["files"])
     assert seen["stages"] == ["fabricate", "pull", "build", "export", "rewrite", "cpu_check", "save"]
@@ -411,15 +407,11 @@ def test_gpu_steps_continue_the_same_report(test_recipe, toy_family, tmp_path, m
 
 
 def test_failed_gpu_step_is_the_failed_stage(test_recipe, toy_family, tmp_path, monkeypatch):
-    from zoo.report import RunReport
-
-    def lower_run(run_dir, overrides=()):
-        report = RunReport.load(run_dir)
+    def run_gpu_steps(run, recipe, report, **options):
         report.stage("verify", "failed", 2.0, "1 output out of tolerance")
-        report.write()
         raise VerificationFailed("forward.y differs", "see report.md")
 
-    fake_gpu(monkeypatch, lower_run)
+    fake_gpu(monkeypatch, run_gpu_steps)
     with pytest.raises(VerificationFailed):
         pipeline.run_pipeline(test_recipe("toy-pool"), tmp_path / "run")
     data = json.loads((tmp_path / "run" / "report.json").read_text())

@@ -27,8 +27,8 @@ from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import hf_raise_for_status
 from safetensors.torch import save_file
 
-from zoo import publish
-from zoo.audit import AuditResult, MethodAudit, load_runtimes
+from zoo import publish, publishing
+from zoo.audit import AuditResult, MethodAudit
 from zoo.errors import PublishRefused
 from zoo.hub import Checkpoint
 from zoo.lowering import LoweringResult
@@ -39,6 +39,8 @@ from zoo.policies.base import ExportUnit, InputSpec, MethodSpec
 from zoo.recipes import load_recipe
 from zoo.report import RunReport
 from zoo.rewrites import RewriteResult
+from zoo.run_folder import RunFolder
+from zoo.runtimes import load_runtimes
 
 SOURCE_REPO = "zoo-test/rope-mini"
 SOURCE_COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -133,12 +135,11 @@ def build_run(root: Path, exported, verification_record) -> Path:
 
     run = root / "run"
     run.mkdir()
-    from omegaconf import OmegaConf
-
-    (run / "recipe.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(recipe)))
-    (run / "source.json").write_text(json.dumps(source.as_dict()))
-    (run / "io_spec.json").write_text(json.dumps(io_spec(ExportUnit("llama", {"forward": METHOD}), recipe)))
-    (run / "host_settings.json").write_text(json.dumps(HOST_SETTINGS))
+    folder = RunFolder(run)
+    folder.write_recipe(recipe)
+    folder.write_source(source.as_dict())
+    folder.write_io_spec(io_spec(ExportUnit("llama", {"forward": METHOD}), recipe))
+    folder.write_host_settings(HOST_SETTINGS)
     (run / "processors").mkdir()
     (run / "processors" / "policy_preprocessor.json").write_text(json.dumps({"name": "policy_preprocessor"}))
     save_file({"mean": torch.arange(4.0), "std": torch.ones(4)},
@@ -163,8 +164,8 @@ def build_run(root: Path, exported, verification_record) -> Path:
         releases={name: release.version for name, release in runtimes.items()})))
     if verification_record is not None:
         report.record("verification", verification_record)
-    report.write()
-    write_manifest(run, RunReport.load(run))
+    folder.write_report(report)
+    write_manifest(folder, folder.read_report())
     return run
 
 
@@ -287,7 +288,7 @@ def check_rows(rows, program, reference) -> None:
 
 def test_dry_run_stages_the_exact_folder_without_token_or_network(run, no_token, capsys):
     api = RecordingApi()
-    plan = publish.publish_run(run, "my-lab/rope-mini-cuda", dry_run=True, api=api)
+    plan = publishing.publish_run(run, "my-lab/rope-mini-cuda", dry_run=True, api=api)
 
     assert api.calls == []
     staged = run / "publish"
@@ -309,7 +310,7 @@ def test_dry_run_stages_the_exact_folder_without_token_or_network(run, no_token,
 
 
 def test_model_card_states_metadata_audit_verification_and_how_to_run(run, no_token):
-    publish.publish_run(run, "my-lab/rope-mini-cuda", dry_run=True)
+    publishing.publish_run(run, "my-lab/rope-mini-cuda", dry_run=True)
     card = (run / "publish" / "README.md").read_text()
     report = json.loads((run / "report.json").read_text())
 
@@ -356,7 +357,7 @@ def test_model_card_states_metadata_audit_verification_and_how_to_run(run, no_to
 
 def test_commit_operations_are_exactly_the_staged_files(run, token):
     api = RecordingApi()
-    plan = publish.publish_run(run, "my-lab/rope-mini-cuda", revision="cuda-sm90", private=True, api=api)
+    plan = publishing.publish_run(run, "my-lab/rope-mini-cuda", revision="cuda-sm90", private=True, api=api)
 
     assert [name for name, _ in api.calls] == ["create_repo", "create_branch", "create_commit"]
     repo_call, branch_call, commit_call = (kw for _, kw in api.calls)
@@ -376,7 +377,7 @@ def test_commit_operations_are_exactly_the_staged_files(run, token):
 
 def test_main_branch_needs_no_branch_creation(run, token):
     api = RecordingApi()
-    publish.publish_run(run, "my-lab/rope-mini-cuda", api=api)
+    publishing.publish_run(run, "my-lab/rope-mini-cuda", api=api)
     assert [name for name, _ in api.calls] == ["create_repo", "create_commit"]
     assert api.calls[0][1]["private"] is False
 
@@ -398,7 +399,7 @@ def test_refuses_a_run_whose_verification_failed(tmp_path, exported, capsys, tok
     run = build_run(tmp_path / "failed", exported, record)
     api = RecordingApi()
     with pytest.raises(PublishRefused, match=r"verification failed \(6 of 6 comparisons out of tolerance\)"):
-        publish.publish_run(run, "my-lab/rope-mini-cuda", api=api)
+        publishing.publish_run(run, "my-lab/rope-mini-cuda", api=api)
     assert api.calls == [] and not (run / "publish").exists()
     err = refusal(run, capsys)
     assert "forward seed 0 y: relative L2" in err and "> tolerance 1.0e-05" in err
@@ -410,9 +411,9 @@ def test_refuses_a_run_never_verified(tmp_path, exported, capsys, token):
 
 
 def test_refuses_a_stale_manifest(run, capsys, token):
-    report = RunReport.load(run)
+    report = RunFolder(run).read_report()
     report.data["verification"]["rows"][0]["max_abs"] *= 2
-    report.write()
+    RunFolder(run).write_report(report)
     assert "manifest.json is stale: its verification differs" in refusal(run, capsys)
 
 
@@ -437,7 +438,7 @@ def test_refuses_files_that_differ_from_the_manifest(run, capsys, token, damage,
 def test_refuses_without_a_token_before_any_network_call(run, capsys, no_token):
     api = RecordingApi()
     with pytest.raises(PublishRefused, match="no Hugging Face token") as info:
-        publish.publish_run(run, "my-lab/rope-mini-cuda", api=api)
+        publishing.publish_run(run, "my-lab/rope-mini-cuda", api=api)
     assert "hf auth login" in str(info.value) and "HF_TOKEN" in str(info.value)
     assert api.calls == [] and not (run / "publish").exists()
     assert "no Hugging Face token" in refusal(run, capsys)
@@ -461,7 +462,7 @@ def hub_error(status: int, message: str, url: str) -> HfHubHTTPError:
 def test_refuses_a_repo_the_user_cannot_write_to(run, token, status, step, message, hint):
     api = RecordingApi(fail={step: hub_error(status, message, "https://huggingface.co/api/repos/create")})
     with pytest.raises(PublishRefused) as info:
-        publish.publish_run(run, "my-lab/rope-mini-cuda", api=api)
+        publishing.publish_run(run, "my-lab/rope-mini-cuda", api=api)
     text = str(info.value)
     assert f"(HTTP {status})" in text and message in text and hint in text
     assert api.calls[-1][0] == step
@@ -469,4 +470,4 @@ def test_refuses_a_repo_the_user_cannot_write_to(run, token, status, step, messa
 
 def test_refuses_a_malformed_repo_id(run, token):
     with pytest.raises(PublishRefused, match="bad repo id"):
-        publish.publish_run(run, "not a repo id", api=RecordingApi())
+        publishing.publish_run(run, "not a repo id", api=RecordingApi())

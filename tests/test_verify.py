@@ -26,8 +26,10 @@ import zoo.lowering as lowering
 import zoo.lower as lower_cli
 import zoo.verify as verify
 from zoo.errors import NoGpuError, VerificationFailed
+from zoo.gpu_steps import saved_programs
 from zoo.policies.base import InputSpec
 from zoo.recipes import Tolerance, load_recipe
+from zoo.run_folder import RunFolder
 
 from conftest import ToyPermuted
 
@@ -244,17 +246,18 @@ def run_folder(tmp_path_factory):
         }
         rewritten = dict(exported, rope=torch.export.export(RopePairs(proj), (torch.randn(1, 6, 8),),
                                                             dynamic_shapes=({1: length},)))
+    folder = RunFolder(run)
     for name in exported:
-        torch.export.save(exported[name], str(run / f"exported.{name}.pt2"))
-        torch.export.save(rewritten[name], str(run / f"rewritten.{name}.pt2"))
-    (_write_recipe_file(run, "verify-toy")).rename(run / "recipe.yaml")
-    (run / "io_spec.json").write_text(json.dumps({"dtype": "float32", "methods": IO,
-                                                  "dynamic": {"length": {"min": 2, "max": 16}}}))
+        folder.save_program(exported[name], "exported", name)
+        folder.save_program(rewritten[name], "rewritten", name)
+    (_write_recipe_file(run, "verify-toy")).rename(folder.recipe_file)
+    folder.write_io_spec({"dtype": "float32", "methods": IO, "dynamic": {"length": {"min": 2, "max": 16}}})
+    folder.write_host_settings({})  # synthetic units: nothing for a host to drive
     fake = fake_cuda.FakeCudaCompile({})
     with pytest.MonkeyPatch.context() as mp:
         fake.install(mp)
-        recipe = lower_cli.load_run_recipe(run)
-        lowering.lower_to_pte(lower_cli.load_programs(run, recipe.unit.methods), run, recipe)
+        recipe = folder.load_recipe()
+        lowering.lower_to_pte(saved_programs(folder, recipe.unit.methods), folder, recipe)
     return {"run": run, "fake": fake, "recipe": recipe}
 
 
@@ -269,7 +272,7 @@ def test_lowered_unit_verifies_with_the_delegate_order(run_folder):
     result = verify.verify_artifact(run_folder["run"], recipe, device="cpu",
                                     runner_factory=run_folder["fake"].runner_factory)
     assert result.ok
-    assert lowering.load_io_order(run_folder["run"], "permuted")["input_order"] == [2, 1, 0]
+    assert RunFolder(run_folder["run"]).io_order("permuted")["input_order"] == [2, 1, 0]
     # Calls: permuted and pool once per seed, rope at lengths 2, 5 and 16 per seed.
     calls = sorted((r.method, r.seed, r.sizes.get("length")) for r in result.rows)
     assert calls == sorted([("permuted", s, None) for s in (0, 1)] + [("pool", s, None) for s in (0, 1)]
@@ -351,6 +354,27 @@ def test_planted_mismatch_fails_the_command_with_a_report_that_shows_where(run_f
     assert bad and {r["method"] for r in bad} == {"rope"} and all(r["output"] == "rotated" for r in bad)
     assert "FAIL" in report["verification"]["table"]
     assert "rope" in capsys.readouterr().err
+
+
+def test_command_runs_every_gpu_step_on_one_report(run_folder, tmp_path, monkeypatch, capsys):
+    # The whole of `python -m zoo.lower RUN_DIR` with only AOTInductor's compile faked and the .so run by the
+    # partition it was compiled from, on the CPU: preflight, lower, audit, verify, then the manifest.
+    run = _copy(run_folder, tmp_path)
+    (run / "model.pte").unlink()
+    fake = fake_cuda.FakeCudaCompile({})
+    fake.install(monkeypatch)
+    monkeypatch.setattr(verify, "aoti_runner_factory", fake.runner_factory)
+    monkeypatch.setattr(verify, "_default_device", lambda: "cpu")
+    assert lower_cli.main([str(run)]) == 0
+    report = json.loads((run / "report.json").read_text())
+    assert report["status"] == "verified" and "error" not in report
+    assert [(s["stage"], s["status"]) for s in report["stages"]] == [
+        ("preflight", "done"), ("lower", "done"), ("audit", "done"), ("verify", "done")]
+    assert report["lowering"]["methods"]["permuted"]["input_order"] == [2, 1, 0]  # c, then b, then a
+    assert report["verification"]["passed"] and (run / "model.pte").is_file()
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["verification"]["rows"] == report["verification"]["rows"]
+    assert "verification on cpu" in capsys.readouterr().out  # the tables are printed as the steps finish
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the command on a machine without a GPU")

@@ -13,6 +13,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .cli import guarded, report_error
 from .errors import ZooError
+from .recipes import load_recipe, recipe_names
+from .report import format_table
 
 # command -> (module, function taking argv, one-line help)
 DELEGATES: Dict[str, Tuple[str, str, str]] = {
@@ -55,9 +57,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def list_recipes(pattern: Optional[str] = None, out=None) -> int:
-    from .recipes import load_recipe, recipe_names
-    from .report import format_table
-
     out = out or sys.stdout
     names = recipe_names(pattern=pattern)
     if not names:

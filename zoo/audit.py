@@ -20,46 +20,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Set, Union
 
+from .artifact import PTE_NAME, SO_SUFFIX, read_pte, so_file_name
 from .errors import LoweringError, ZooError
+from .report import format_table
+from .run_folder import SO_DIR, RunFolder
+from .runtimes import Release, load_runtimes
 
-RUNTIMES_JSON = Path(__file__).resolve().parent / "data" / "runtimes.json"
 SYMBOL_PREFIX = "aoti_torch_"
 DTYPE_PREFIX = "aoti_torch_dtype_"
-
-
-@dataclass
-class Release:
-    name: str
-    version: str
-    dtypes: List[str]
-    symbols: Set[str]
-    allowed_fallback_kernels: Set[str]
-
-
-def load_runtimes(path: Path = RUNTIMES_JSON) -> Dict[str, Release]:
-    """The releases in ``runtimes.json``, each resolved through its ``base`` chain to full sets."""
-    raw = json.loads(Path(path).read_text())["releases"]
-    resolved: Dict[str, Release] = {}
-
-    def resolve(name: str, seen: tuple = ()) -> Release:
-        if name in resolved:
-            return resolved[name]
-        if name in seen or name not in raw:
-            raise LoweringError(f"{path}: release {name!r} has a missing or circular base", "fix runtimes.json")
-        entry = raw[name]
-        base = resolve(entry["base"], seen + (name,)) if entry.get("base") else None
-        release = Release(
-            name=name, version=entry["version"],
-            dtypes=(list(base.dtypes) if base else []) + [d for d in entry["dtypes"] if not base or d not in base.dtypes],
-            symbols=(set(base.symbols) if base else set()) | set(entry["symbols"]),
-            allowed_fallback_kernels=(set(base.allowed_fallback_kernels) if base else set())
-            | set(entry["allowed_fallback_kernels"]))
-        resolved[name] = release
-        return release
-
-    for name in raw:
-        resolve(name)
-    return {name: resolved[name] for name in raw}
 
 
 def undefined_aoti_symbols(so: Union[Path, bytes], what: str = "") -> List[str]:
@@ -134,8 +102,6 @@ class AuditResult:
     def table(self, title: bool = False) -> str:
         """The audit tables; ``title`` names the audited path first (the command line). Reports leave it out:
         the pipeline audits a staging folder whose name means nothing once the run is moved into place."""
-        from .report import format_table
-
         methods = format_table([["method", ".so bytes", "aoti_torch symbols", "dtypes"]]
                                + [[m.method, m.so_bytes, len(m.symbols), ", ".join(m.dtypes)] for m in self.methods])
         rows = [["release", "version", "loadable", "missing symbols"]]
@@ -159,16 +125,15 @@ def audit_so(data: bytes, method: str, runtimes: Dict[str, Release]) -> MethodAu
 
 def _method_sos(path: Path) -> Dict[str, bytes]:
     """{method: .so bytes} from a run folder, a .pte or a .so."""
-    from .lowering import PTE_NAME, SO_DIR, SO_SUFFIX, read_pte
-
     if path.is_dir():
-        if (path / PTE_NAME).exists():
-            return _method_sos(path / PTE_NAME)
-        sos = sorted((path / SO_DIR).glob("*.so"))
+        run = RunFolder(path)
+        if run.pte.exists():
+            return _method_sos(run.pte)
+        sos = run.compiled_methods()
         if not sos:
-            raise LoweringError(f"{path} holds neither {PTE_NAME} nor {SO_DIR}/*.so",
+            raise LoweringError(f"{path} holds neither {PTE_NAME} nor {SO_DIR}/{so_file_name('*')}",
                                 "lower the run first (`python -m zoo.lower RUN_DIR`), or pass a .pte or .so")
-        return {p.stem: p.read_bytes() for p in sos}
+        return {method: so.read_bytes() for method, so in sos.items()}
     if not path.exists():
         raise LoweringError(f"{path} does not exist", "pass a run folder, a CUDA .pte or a .so")
     if path.suffix == ".pte":

@@ -28,14 +28,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set
 
+from .atomic import write_json
 from .errors import ZooError
+from .hub import checkpoint_into_cache
 from .progress import say
+from .recipes import load_recipe
+from .report import format_table
 
 # Source-only distributions zoo needs, built into wheels before resolution (pip cannot resolve an sdist for a
 # foreign platform).
 SDIST_ONLY: Dict[str, str] = {"antlr4-python3-runtime": "4.9.3"}
 
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_28_aarch64")
+BUNDLE_MANIFEST = "manifest.json"  # the bundle's own file list (a bundle is not a run folder)
 
 
 class BundleError(ZooError):
@@ -142,7 +147,7 @@ def resolve(requirements: Sequence[str], python: str, platform: str, index: List
     from packaging.requirements import Requirement
 
     with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "report.json"
+        report = Path(tmp) / "pip-report.json"
         _pip(["install", "--dry-run", "--ignore-installed", "-q", "--report", str(report),
               "--target", str(Path(tmp) / "target"), *_target_args(python, platform), *index, *requirements],
              "resolving dependencies")
@@ -217,9 +222,6 @@ def file_record(path: Path, root: Path) -> Dict[str, object]:
 
 def add_checkpoints(recipes: Sequence[str], hub_dir: Path) -> List[Dict[str, object]]:
     """Put each recipe's checkpoint (and the auxiliary repos its policy loads by id) into ``hub_dir``."""
-    from .hub import checkpoint_into_cache
-    from .recipes import load_recipe
-
     entries = []
     for name in recipes:
         recipe = load_recipe(name)
@@ -260,9 +262,7 @@ def build_bundle(out_dir: Path, recipes: Sequence[str] = (), python: str = "3.12
         requirements=list(requirements), have=have, left_out=left, wheels=wheels,
         hub=[dict(e, files=[f for f in hub_files if _in_repo(f["file"], e["repo_id"])]) for e in hub_entries])
     manifest.total_bytes = sum(int(w["bytes"]) for w in wheels) + sum(int(f["bytes"]) for f in hub_files)
-    from .atomic import write_json
-
-    write_json(out_dir / "manifest.json", asdict(manifest))
+    write_json(out_dir / BUNDLE_MANIFEST, asdict(manifest))
     return manifest
 
 
@@ -293,8 +293,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     manifest = build_bundle(args.out_dir, args.recipe, args.python, args.platform,
                             parse_have(args.have, args.have_file), weights=not args.no_weights,
                             index_url=args.index_url, find_links=args.find_links, no_index=args.no_index)
-    from .report import format_table
-
     rows = [["part", "files", "MB"],
             ["wheels", len(manifest.wheels), f"{sum(int(w['bytes']) for w in manifest.wheels) / 1e6:.1f}"],
             ["hub cache", sum(len(h["files"]) for h in manifest.hub),  # type: ignore[arg-type]

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .report import REPORT_JSON, format_table
+from .report import format_table
+from .run_folder import RunFolder
 
 
 def environment() -> Dict[str, object]:
@@ -68,13 +69,13 @@ def runs_table(run_dirs: Sequence[Path]) -> Tuple[str, bool]:
     rows: List[List[object]] = [["recipe", "stage", "status", "time (s)", "detail"]]
     all_ok = True
     for run_dir in run_dirs:
-        path = Path(run_dir) / REPORT_JSON
-        name = Path(run_dir).name
-        if not path.exists():
+        run = RunFolder(run_dir)
+        name = run.name
+        if not run.report_json.exists():
             rows.append([name, "-", "no report", "", "the run did not start or crashed before writing its report"])
             all_ok = False
             continue
-        data = json.loads(path.read_text())
+        data = run.read_report().data
         for stage in data.get("stages", []):
             secs = stage.get("seconds")
             rows.append([name, stage["stage"], stage["status"], "" if secs is None else f"{secs:.1f}",

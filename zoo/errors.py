@@ -6,7 +6,7 @@ without a traceback. Anything else escaping the CLI is a bug in zoo and keeps it
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 
 class ZooError(Exception):
@@ -55,3 +55,15 @@ class VerificationFailed(ZooError):
 
 class PublishRefused(ZooError):
     """zoo refuses to publish: unverified run, hash mismatch, no token, no write access."""
+
+
+def first_line(error: Union[BaseException, str], limit: Optional[int] = None) -> str:
+    """The first line of an error's message (a ``ZooError``'s message, without its hint), for a table cell or a
+    one-line report entry; the error's type name when it says nothing. ``limit`` cuts longer lines with "..."."""
+    if isinstance(error, BaseException):
+        text, fallback = getattr(error, "message", None) or str(error), type(error).__name__
+    else:
+        text, fallback = error, ""
+    text = text.strip()
+    line = text.splitlines()[0] if text else fallback
+    return line if limit is None or len(line) <= limit else line[: limit - 3] + "..."

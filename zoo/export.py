@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .cli import guarded
+from .pipeline import run_pipeline
 from .progress import setup_logging
+from .publishing import publish_run
+from .recipes import load_recipe
 from .report import RunReport
 
 DEFAULT_RUNS = Path("runs")
@@ -41,9 +44,6 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m zoo.export
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .pipeline import run_pipeline
-    from .recipes import load_recipe
-
     recipe = load_recipe(args.recipe, args.overrides)
     run_dir = args.output_dir if args.output_dir is not None else DEFAULT_RUNS / recipe.name
     try:
@@ -55,8 +55,6 @@ def _export(args: argparse.Namespace) -> int:
         raise
     print_summary(report)
     if args.push_to_hub:
-        from .publish import publish_run
-
         # publish_run refuses (non-zero exit) a run that did not verify, e.g. one made without a GPU.
         plan = publish_run(run_dir, args.push_to_hub)
         print(plan.describe())

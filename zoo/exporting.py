@@ -16,7 +16,7 @@ from typing import Dict, Optional
 import torch
 from torch.export import ExportedProgram
 
-from .errors import ExportError
+from .errors import ExportError, first_line
 from .policies.base import ExportUnit, MethodSpec
 
 log = logging.getLogger("zoo.exporting")
@@ -59,7 +59,7 @@ def export_method(method: MethodSpec, recipe, sizes: Optional[Dict[str, int]] = 
     except Exception as exc:
         log.debug("torch.export of %s failed", method.name, exc_info=True)
         raise ExportError(f"torch.export of method {method.name!r} failed at sizes {sizes}: "
-                          f"{type(exc).__name__}: {_first_line(exc)}",
+                          f"{type(exc).__name__}: {first_line(exc)}",
                           "rerun with --verbose for the traceback; a data-dependent guard usually means the "
                           "family must make a size static (recipe inputs) or a dynamic range narrower") from exc
 
@@ -93,8 +93,3 @@ def float32_copy(unit: ExportUnit) -> ExportUnit:
                   else s for s in m.inputs]
         methods[name] = dataclasses.replace(m, module=holder[f"m_{name}"], inputs=inputs)
     return dataclasses.replace(unit, methods=methods, reference=None)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""

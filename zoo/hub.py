@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from .errors import PullError
+from . import policies, tiny_hub
+from .errors import PullError, first_line
+from .hub_cache import hub_environment, put_in_cache
 from .progress import say
 
 # A checkpoint folder has its config and its weights, single-file or sharded with an index.
@@ -128,25 +130,19 @@ def checkpoint_into_cache(recipe, cache_dir: Path) -> Dict[str, str]:
     is built once with huggingface_hub pointed at ``cache_dir``, so the cache holds exactly what an offline
     export needs. Tiny recipes are fabricated into it; a local checkpoint folder is filed under its repo id.
     """
-    from .hub_cache import hub_environment, put_in_cache
-
     cache_dir = Path(cache_dir)
     src = recipe.source
     if src.fabricate and not src.local_dir:
-        from .tiny_hub import fabricate
-
-        return fabricate(recipe, cache_dir)
+        return tiny_hub.fabricate(recipe, cache_dir)
     if src.local_dir:
         folder = Path(src.local_dir).expanduser()
         check_checkpoint_folder(folder, f"source.local_dir {folder}", local=True)
         return {src.repo_id: put_in_cache(src.repo_id, folder, cache_dir, src.revision)}
-    from .policies import load_family
-
     before = cached_commits(cache_dir)
     with hub_environment(cache_dir):
         checkpoint = pull(recipe)
         say(f"building the {recipe.family} unit once, so the repos it loads by id land in {cache_dir}")
-        load_family(recipe.family).build_unit(checkpoint.path, recipe)
+        policies.load_family(recipe.family).build_unit(checkpoint.path, recipe)
     # The recipe's repo, and every repo the build fetched (a repo an earlier recipe already cached is not
     # listed again: huggingface_hub does not say which cached repos a loader read).
     after = cached_commits(cache_dir)
@@ -203,5 +199,4 @@ def _cause(exc: BaseException) -> str:
     cause = exc.__cause__ or exc.__context__
     if cause is None:
         return type(exc).__name__
-    first = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {first[0] if first else ''}".rstrip(": ")
+    return f"{type(cause).__name__}: {first_line(str(cause))}".rstrip(": ")

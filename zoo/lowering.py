@@ -11,6 +11,9 @@ What it takes (measured on an H200, see docs and notes):
   the method's: the order is read from the ``executorch_call_delegate`` node and saved in ``so/<method>.io.json``
   so verification from a saved run needs no re-lowering.
 
+Reading an artifact back (``read_pte``, ``extract_method_files``) is ``zoo.artifact``'s; the compile specs and
+the runtimes' allow-lists are ``zoo.runtimes``'s.
+
 ``model.pte`` is the commit point: it is removed first, the ``.ptd`` and ``so/`` files are written next, and the
 ``.pte`` is moved into place last, so an interrupted run never leaves a ``model.pte`` beside foreign weights.
 """
@@ -19,33 +22,26 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
-import json
 import operator
 import os
 import shutil
-import stat
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
 from torch.export import ExportedProgram
 
-from . import atomic
+from .artifact import PTD_NAME, PTE_NAME, SO_SUFFIX, ensure_flatc, extract_method_files
 from .environ import environ_restored
-from .errors import LoweringError, NoGpuError
+from .errors import LoweringError, NoGpuError, first_line
+from .preflight import require_kernels
+from .report import format_table
+from .run_folder import RunFolder
+from .runtimes import compile_specs
 
-PTE_NAME = "model.pte"
-PTD_NAME = "aoti_cuda_blob.ptd"
-PTD_TAG = "aoti_cuda_blob"  # the external tag CudaBackend gives its weights; the .ptd is named after it
-SO_DIR = "so"
-SO_SUFFIX = "_so_blob"  # named data key of a method's .so inside the .pte (executorch 1.2.0)
-WEIGHTS_SUFFIX = "_weights_blob"  # named data key of a method's weights inside the .ptd
-CUDA_BACKEND_ID = "CudaBackend"
 DEFAULT_INDUCTOR_CACHE = Path.home() / ".cache" / "zoo" / "inductor"
 
 
@@ -97,14 +93,12 @@ class LoweringResult:
         return record
 
     def table(self) -> str:
-        from .report import format_table
-
         rows = [["method", ".so", "weights", "mutable buffers", "inputs (.so order)", "outputs (.so order)"]]
         for m in self.methods.values():
             rows.append([m.name, _mib(m.so_bytes), _mib(m.weights_bytes),
                          _mib(sum(m.mutable_buffers.values())) if m.mutable_buffers else "-",
                          m.input_order, m.output_order])
-        head = (f"model.pte {_mib(self.pte_bytes)}, {PTD_NAME} {_mib(self.ptd_bytes)}, "
+        head = (f"{PTE_NAME} {_mib(self.pte_bytes)}, {PTD_NAME} {_mib(self.ptd_bytes)}, "
                 f"lowering {self.seconds:.1f} s on {self.gpu.get('name')} (sm_{self.gpu.get('capability')})")
         return head + "\n" + format_table(rows)
 
@@ -128,30 +122,6 @@ def cuda_device_info() -> Dict[str, Any]:
     major, minor = torch.cuda.get_device_capability()
     return {"name": torch.cuda.get_device_name(), "capability": f"{major}{minor}",
             "torch": torch.__version__, "cuda": torch.version.cuda}
-
-
-def ensure_flatc() -> str:
-    """Point FLATC_EXECUTABLE at a flatc (writing or reading a .pte needs it) unless it is already set."""
-    current = os.environ.get("FLATC_EXECUTABLE")
-    if current and Path(current).is_file():
-        return current
-    candidates = [Path(sys.executable).parent / "flatc"]
-    spec = importlib.util.find_spec("executorch")  # a namespace package: no __file__
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        candidates.append(Path(location) / "data" / "bin" / "flatc")
-    on_path = shutil.which("flatc")
-    if on_path:
-        candidates.append(Path(on_path))
-    for path in candidates:
-        if path.is_file():
-            if not os.access(path, os.X_OK):  # wheels unpacked with --target can lose the run bit
-                with contextlib.suppress(OSError):
-                    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-            if os.access(path, os.X_OK):
-                os.environ["FLATC_EXECUTABLE"] = str(path)
-                return str(path)
-    raise LoweringError("no flatc executable found: writing and reading .pte files needs it",
-                        "install executorch (it ships executorch/data/bin/flatc) or set FLATC_EXECUTABLE")
 
 
 def inductor_cache_dir() -> Path:
@@ -178,14 +148,6 @@ def inductor_settings(max_mm_configs: Optional[int]) -> Iterator[Dict[str, Any]]
         os.environ.update(env)
         yield {"inductor_cache_dir": env["TORCHINDUCTOR_CACHE_DIR"], "max_mm_configs": max_mm_configs,
                "prune_choices_based_on_shared_mem": True}
-
-
-def compile_specs(method: str, triton_kernel_mode: str) -> list:
-    from executorch.backends.cuda.cuda_backend import CudaBackend
-    from executorch.exir.backend.compile_spec_schema import CompileSpec
-
-    return [CudaBackend.generate_method_name_compile_spec(method),
-            CompileSpec("triton_kernel_mode", triton_kernel_mode.encode("utf-8"))]
 
 
 # --- delegate I/O order ------------------------------------------------------------------------------------
@@ -241,118 +203,22 @@ def _delegate_mutable_buffers(program: ExportedProgram) -> Dict[str, int]:
     return sizes
 
 
-# --- reading artifacts ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class PteMethod:
-    name: str
-    backend: str
-    so_key: Optional[str]
-
-
-def read_pte(pte_path: Path) -> Tuple[Dict[str, PteMethod], Dict[str, bytes]]:
-    """Methods of an ExecuTorch .pte with their delegate backend, and the named data stored inside it."""
-    ensure_flatc()
-    from executorch.exir._serialize._program import deserialize_pte_binary
-
-    data = Path(pte_path).read_bytes()
-    try:
-        pte = deserialize_pte_binary(data)
-    except Exception as exc:  # the deserializer raises plain exceptions of several kinds on foreign bytes
-        raise LoweringError(f"{pte_path} is not a readable ExecuTorch program: {type(exc).__name__}: {exc}",
-                            "pass a model.pte written by ExecuTorch 1.2") from exc
-    named: Dict[str, bytes] = {}
-    if pte.named_data is not None:
-        for key, entry in pte.named_data.pte_data.items():
-            named[key] = bytes(pte.named_data.buffers[entry.buffer_index])
-    methods: Dict[str, PteMethod] = {}
-    for plan in pte.program.execution_plan:
-        backend = ""
-        so_key = None
-        for delegate in plan.delegates:
-            backend = delegate.id
-            specs = {spec.key: bytes(spec.value) for spec in delegate.compile_specs}
-            name = specs.get("method_name", plan.name.encode()).decode("utf-8", "replace")
-            if name + SO_SUFFIX in named:
-                so_key = name + SO_SUFFIX
-        methods[plan.name] = PteMethod(plan.name, backend, so_key)
-    return methods, named
-
-
-def read_ptd_index(ptd_path: Path) -> Dict[str, Tuple[int, int]]:
-    """Named entries of a .ptd as {key: (file offset, size)}, reading only the header and index."""
-    ensure_flatc()
-    from executorch.extension.flat_tensor.serialize.serialize import (
-        FlatTensorHeader,
-        _deserialize_to_flat_tensor,
-    )
-
-    with open(ptd_path, "rb") as fh:
-        head = fh.read(8 + FlatTensorHeader.EXPECTED_LENGTH)
-        header = FlatTensorHeader.from_bytes(head[8:]) if len(head) > 8 else None
-        if header is None or not header.is_valid():
-            raise LoweringError(f"{ptd_path} is not an ExecuTorch data file (.ptd)",
-                                f"pass the {PTD_NAME} written beside the model.pte")
-        fh.seek(0)
-        flat = _deserialize_to_flat_tensor(fh.read(header.flatbuffer_offset + header.flatbuffer_size))
-    return {entry.key: (header.segment_base_offset + flat.segments[entry.segment_index].offset,
-                        flat.segments[entry.segment_index].size)
-            for entry in flat.named_data}
-
-
-def _copy_range(src: Path, offset: int, size: int, dest: Path) -> None:
-    with atomic.atomic_path(dest) as tmp, open(src, "rb") as fin, open(tmp, "wb") as fout:
-        fin.seek(offset)
-        left = size
-        while left:
-            chunk = fin.read(min(left, 64 << 20))
-            if not chunk:
-                raise LoweringError(f"{src} ends before its entry at {offset}+{size}", "the file is truncated")
-            fout.write(chunk)
-            left -= len(chunk)
-
-
-def extract_method_files(pte_path: Path, ptd_path: Optional[Path], so_dir: Path) -> Dict[str, Dict[str, Any]]:
-    """Write each CUDA method's .so (from the .pte) and weights blob (from the .ptd) into ``so_dir``."""
-    methods, named = read_pte(pte_path)
-    index = read_ptd_index(ptd_path) if ptd_path is not None and Path(ptd_path).exists() else {}
-    out: Dict[str, Dict[str, Any]] = {}
-    for name, method in methods.items():
-        if method.so_key is None:
-            continue
-        so_path = so_dir / f"{name}.so"
-        atomic.write_bytes(so_path, named[method.so_key])
-        entry: Dict[str, Any] = {"so": so_path, "so_bytes": len(named[method.so_key]), "weights": None,
-                                 "weights_bytes": 0}
-        key = name + WEIGHTS_SUFFIX
-        if key in index:
-            offset, size = index[key]
-            blob = so_dir / f"{name}.weights.blob"
-            _copy_range(Path(ptd_path), offset, size, blob)
-            entry.update(weights=blob, weights_bytes=size)
-        out[name] = entry
-    return out
-
-
 # --- lowering ----------------------------------------------------------------------------------------------
 
 
-def lower_to_pte(programs: Dict[str, ExportedProgram], out_dir: Path, recipe, *,
+def lower_to_pte(programs: Dict[str, ExportedProgram], run: Union[RunFolder, Path], recipe, *,
                  run_preflight: bool = True) -> LoweringResult:
-    """Lower every method to one ``model.pte`` + ``aoti_cuda_blob.ptd`` in ``out_dir`` (atomically), extract each
-    method's .so and weights blob to ``out_dir/so/`` and record its delegate I/O order beside them."""
+    """Lower every method to one ``model.pte`` + ``aoti_cuda_blob.ptd`` in the run folder ``run`` (atomically),
+    extract each method's .so and weights blob to its ``so/`` and record its delegate I/O order beside them."""
     gpu = cuda_device_info()
     ensure_flatc()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    run = RunFolder(run)
+    run.path.mkdir(parents=True, exist_ok=True)
     lowering = recipe.lowering
     start = time.perf_counter()
 
     preflight_summary = None
     if run_preflight:
-        from .preflight import require_kernels
-
         preflight_summary = require_kernels(programs, runtime=lowering.runtime,
                                             triton_kernel_mode=lowering.triton_kernel_mode).as_dict()
 
@@ -380,22 +246,20 @@ def lower_to_pte(programs: Dict[str, ExportedProgram], out_dir: Path, recipe, *,
         io[name]["output_names"] = list(programs[name].graph_signature.user_outputs)
         io[name]["mutable_buffers"] = _delegate_mutable_buffers(program)
     executorch_program = edge.to_executorch()
-    methods = write_artifacts(executorch_program, out_dir, io)
-    pte = out_dir / PTE_NAME
-    ptd = out_dir / PTD_NAME
+    methods = write_artifacts(executorch_program, run, io)
     return LoweringResult(
-        out_dir=str(out_dir), pte=PTE_NAME, ptd=PTD_NAME, pte_bytes=pte.stat().st_size,
-        ptd_bytes=ptd.stat().st_size if ptd.exists() else 0, seconds=round(time.perf_counter() - start, 3),
+        out_dir=str(run.path), pte=PTE_NAME, ptd=PTD_NAME, pte_bytes=run.pte.stat().st_size,
+        ptd_bytes=run.ptd.stat().st_size if run.ptd.exists() else 0, seconds=round(time.perf_counter() - start, 3),
         compile_seconds=round(compile_seconds, 3), methods=methods, options=options, gpu=gpu,
         preflight=preflight_summary)
 
 
-def write_artifacts(executorch_program, out_dir: Path, io: Dict[str, Dict[str, Any]]) -> Dict[str, MethodArtifact]:
+def write_artifacts(executorch_program, run: Union[RunFolder, Path],
+                    io: Dict[str, Dict[str, Any]]) -> Dict[str, MethodArtifact]:
     """Write .ptd, so/ files and, last, model.pte. Any failure (or interruption) leaves no model.pte behind."""
-    out_dir = Path(out_dir)
-    pte = out_dir / PTE_NAME
-    pte.unlink(missing_ok=True)  # a model.pte left from an earlier run must not pair with new weights
-    staging = Path(tempfile.mkdtemp(prefix=".lowering.tmp-", dir=out_dir))
+    run = RunFolder(run)
+    run.pte.unlink(missing_ok=True)  # a model.pte left from an earlier run must not pair with new weights
+    staging = Path(tempfile.mkdtemp(prefix=".lowering.tmp-", dir=run.path))
     try:
         staged_pte = staging / PTE_NAME
         with open(staged_pte, "wb") as fh:
@@ -404,42 +268,39 @@ def write_artifacts(executorch_program, out_dir: Path, io: Dict[str, Dict[str, A
             os.fsync(fh.fileno())
         executorch_program.write_tensor_data_to_file(str(staging))
         staged_ptd = staging / PTD_NAME
-        files = extract_method_files(staged_pte, staged_ptd if staged_ptd.exists() else None, out_dir / SO_DIR)
+        files = extract_method_files(staged_pte, staged_ptd if staged_ptd.exists() else None, run.so_dir)
         methods: Dict[str, MethodArtifact] = {}
         for name, order in io.items():
             if name not in files:
                 raise LoweringError(f"method {name!r} has no {name}{SO_SUFFIX} in the written .pte",
                                     "the CUDA backend did not compile this method; see the lowering log")
             entry = files[name]
-            io_path = out_dir / SO_DIR / f"{name}.io.json"
             record = {"method": name, **order, "so_bytes": entry["so_bytes"], "weights_bytes": entry["weights_bytes"]}
-            atomic.write_json(io_path, record)
+            io_path = run.write_io_order(name, record)
             methods[name] = MethodArtifact(
-                name=name, so=str(entry["so"].relative_to(out_dir)),
-                weights=str(entry["weights"].relative_to(out_dir)) if entry["weights"] else "",
-                io=str(io_path.relative_to(out_dir)), so_bytes=entry["so_bytes"],
+                name=name, so=str(entry["so"].relative_to(run.path)),
+                weights=str(entry["weights"].relative_to(run.path)) if entry["weights"] else "",
+                io=str(io_path.relative_to(run.path)), so_bytes=entry["so_bytes"],
                 weights_bytes=entry["weights_bytes"], input_names=order["input_names"],
                 output_names=order["output_names"], input_order=order["input_order"],
                 output_order=order["output_order"], mutable_buffers=order.get("mutable_buffers", {}))
         if staged_ptd.exists():
-            os.replace(staged_ptd, out_dir / PTD_NAME)
-        os.replace(staged_pte, pte)  # the commit point
+            os.replace(staged_ptd, run.ptd)
+        os.replace(staged_pte, run.pte)  # the commit point
         return methods
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+# zoo/bench.py (being split into zoo/bench/ on branch i16-bench) still takes these from here; once both
+# branches are merged it reads them from zoo.artifact and zoo.run_folder, and this goes (pending: i16-bench).
 def load_io_order(run_dir: Path, method: str) -> Dict[str, Any]:
-    path = Path(run_dir) / SO_DIR / f"{method}.io.json"
-    if not path.exists():
-        raise LoweringError(f"{path} is missing: the delegate I/O order of method {method!r} is unknown",
-                            "lower the run again (`python -m zoo.lower RUN_DIR`); it writes so/<method>.io.json")
-    return json.loads(path.read_text())
+    return RunFolder(run_dir).io_order(method)
 
 
 def _lowering_error(exc: Exception, lowering) -> LoweringError:
     text = str(exc)
-    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    first = first_line(exc)
     if "missing fallback kernels" in text:
         return LoweringError(f"ExecuTorch refused the compiled program: {text.strip()}",
                              "rewrite the named ops into ones Inductor compiles to Triton (see the kernel "

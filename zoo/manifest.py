@@ -17,14 +17,11 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 
 from . import __version__, atomic
 from .errors import PublishRefused
+from .model_card import resolve_license
 from .report import RunReport
+from .run_folder import ARTIFACT_FILES, MANIFEST_JSON, RunFolder
 
-MANIFEST_JSON = "manifest.json"
 FORMAT = "zoo-manifest/1"
-
-# The published artifact: these files must exist in a finished run; processors/ is copied whole if present.
-REQUIRED_FILES = ("model.pte", "aoti_cuda_blob.ptd", "io_spec.json", "host_settings.json")
-PROCESSORS_DIR = "processors"
 
 # Distributions whose versions decide whether the artifact can be reproduced or loaded.
 VERSIONED = ("torch", "executorch", "lerobot", "huggingface_hub", "safetensors")
@@ -40,28 +37,28 @@ def sha256_file(path: Union[str, Path]) -> str:
     return digest.hexdigest()
 
 
-def artifact_files(run_dir: Path) -> List[str]:
-    """Paths (relative, POSIX) of every file that is published from ``run_dir``, sorted.
+def artifact_files(run_dir: Union[RunFolder, Path]) -> List[str]:
+    """Paths (relative, POSIX) of every file that is published from ``run_dir``, sorted: the artifact files
+    (``run_folder.ARTIFACT_FILES``) and, if present, all of ``processors/``.
 
     Hidden names are left out: they are interrupted atomic writes (``.<name>.tmp-*``), never artifacts.
     """
-    run_dir = Path(run_dir)
-    missing = [name for name in REQUIRED_FILES if not (run_dir / name).is_file()]
+    run = RunFolder(run_dir)
+    missing = [name for name in ARTIFACT_FILES if not (run.path / name).is_file()]
     if missing:
-        raise PublishRefused(f"run folder {run_dir} has no {', '.join(missing)}",
+        raise PublishRefused(f"run folder {run.path} has no {', '.join(missing)}",
                              "lower and verify the run first; only a finished run folder can be published")
-    files = list(REQUIRED_FILES)
-    processors = run_dir / PROCESSORS_DIR
-    if processors.is_dir():
-        for path in sorted(processors.rglob("*")):
-            rel = path.relative_to(run_dir)
+    files = list(ARTIFACT_FILES)
+    if run.processors_dir.is_dir():
+        for path in sorted(run.processors_dir.rglob("*")):
+            rel = path.relative_to(run.path)
             if path.is_file() and not any(part.startswith(".") for part in rel.parts):
                 files.append(rel.as_posix())
     return sorted(files)
 
 
-def file_table(run_dir: Path) -> Dict[str, Dict[str, Any]]:
-    run_dir = Path(run_dir)
+def file_table(run_dir: Union[RunFolder, Path]) -> Dict[str, Dict[str, Any]]:
+    run_dir = RunFolder(run_dir).path
     return {rel: {"sha256": sha256_file(run_dir / rel), "size": (run_dir / rel).stat().st_size}
             for rel in artifact_files(run_dir)}
 
@@ -139,22 +136,13 @@ def _read_json(path: Path) -> Any:
         raise PublishRefused(f"{path} is not valid JSON ({exc})", "re-run the step that writes it") from None
 
 
-def _read_recipe(run_dir: Path, report: Dict[str, Any]) -> Dict[str, Any]:
-    path = run_dir / "recipe.yaml"
-    if path.is_file():
-        from omegaconf import OmegaConf
-
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=True)  # type: ignore[return-value]
-    return dict(report.get("recipe") or {})
-
-
-def build_manifest(run_dir: Path, report: Union[RunReport, Mapping[str, Any]]) -> Dict[str, Any]:
-    from .model_card import resolve_license
-
-    run_dir = Path(run_dir)
+def build_manifest(run_dir: Union[RunFolder, Path], report: Union[RunReport, Mapping[str, Any]]) -> Dict[str, Any]:
+    run = RunFolder(run_dir)
     data = _report_data(report)
-    recipe = _read_recipe(run_dir, data)
-    source = _read_json(run_dir / "source.json") or {}
+    recipe = run.recipe_dict()
+    if recipe is None:
+        recipe = dict(data.get("recipe") or {})
+    source = _read_json(run.source_file) or {}
     return {
         "format": FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -168,17 +156,18 @@ def build_manifest(run_dir: Path, report: Union[RunReport, Mapping[str, Any]]) -
         "rewrites": public_section(data.get("rewrites")),
         "audit": public_section(data.get("audit")),
         "verification": public_section(data.get("verification")),
-        "files": file_table(run_dir),
+        "files": file_table(run.path),
     }
 
 
-def write_manifest(run_dir: Path, report: Union[RunReport, Mapping[str, Any]]) -> Path:
+def write_manifest(run_dir: Union[RunFolder, Path], report: Union[RunReport, Mapping[str, Any]]) -> Path:
     """Write ``RUN_DIR/manifest.json`` from the run folder and its report; return its path."""
-    return atomic.write_json(Path(run_dir) / MANIFEST_JSON, build_manifest(run_dir, report))
+    run = RunFolder(run_dir)
+    return atomic.write_json(run.manifest_file, build_manifest(run, report))
 
 
-def read_manifest(run_dir: Path) -> Dict[str, Any]:
-    path = Path(run_dir) / MANIFEST_JSON
+def read_manifest(run_dir: Union[RunFolder, Path]) -> Dict[str, Any]:
+    path = RunFolder(run_dir).manifest_file
     manifest = _read_json(path)
     if manifest is None:
         raise PublishRefused(f"{path} does not exist: the run never finished verification",
@@ -189,17 +178,17 @@ def read_manifest(run_dir: Path) -> Dict[str, Any]:
     return manifest
 
 
-def check_files(run_dir: Path, manifest: Mapping[str, Any]) -> None:
+def check_files(run_dir: Union[RunFolder, Path], manifest: Mapping[str, Any]) -> None:
     """Refuse unless the run folder's artifact files are exactly the manifest's, with the same sha256."""
-    run_dir = Path(run_dir)
+    run_dir = RunFolder(run_dir).path
     listed: Dict[str, Dict[str, Any]] = dict(manifest["files"])
     present = set(artifact_files(run_dir))
-    problems = [f"{rel}: listed in manifest.json but missing" for rel in sorted(set(listed) - present)]
-    problems += [f"{rel}: present but not in manifest.json" for rel in sorted(present - set(listed))]
+    problems = [f"{rel}: listed in {MANIFEST_JSON} but missing" for rel in sorted(set(listed) - present)]
+    problems += [f"{rel}: present but not in {MANIFEST_JSON}" for rel in sorted(present - set(listed))]
     for rel in sorted(present & set(listed)):
         actual = sha256_file(run_dir / rel)
         if actual != listed[rel].get("sha256"):
-            problems.append(f"{rel}: sha256 {actual} differs from manifest.json's {listed[rel].get('sha256')}")
+            problems.append(f"{rel}: sha256 {actual} differs from {MANIFEST_JSON}'s {listed[rel].get('sha256')}")
     if problems:
         raise PublishRefused("the run folder no longer matches what was verified:\n    " + "\n    ".join(problems),
                              "restore the original files, or re-run lowering and verification to produce a new "

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 from .report import markdown_table
+from .run_folder import SOURCE_JSON
 
 BASE_TAGS = ("robotics", "lerobot", "executorch", "cuda", "aoti", "zoo")
 RUNNER = "executor_runner --model_path model.pte --data_path aoti_cuda_blob.ptd"
@@ -72,7 +73,7 @@ def resolve_license(source: Mapping[str, Any], recipe: Mapping[str, Any]) -> Opt
     recipe's ``publish.license``. None when nobody states one; the card then says so.
     """
     checkpoint = source.get("local_dir") or source.get("path")  # a local folder, or the pulled snapshot
-    for origin, meta in (("source.json", source),
+    for origin, meta in ((SOURCE_JSON, source),
                          ("the source checkpoint's model card", source_card_metadata(checkpoint))):
         if meta.get("license"):
             found = {k: meta[k] for k in _LICENSE_KEYS if meta.get(k)}

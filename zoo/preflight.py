@@ -24,6 +24,7 @@ compiled ``.so`` (zoo.audit) remains the final word; this check only has to be r
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,7 +34,10 @@ import torch
 from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
-from .errors import LoweringError
+from .errors import LoweringError, first_line
+from .report import format_table
+from .rewrites.result import source_line
+from .runtimes import compile_specs, load_runtimes, supported_fallback_kernels
 
 log = logging.getLogger("zoo.preflight")
 
@@ -87,8 +91,6 @@ class PreflightResult:
                 "needs": [asdict(n) for n in self.needs], "notes": list(self.notes)}
 
     def table(self) -> str:
-        from .report import format_table
-
         if not self.needs:
             return f"kernel preflight ({self.runtime}): {self.nodes} nodes, no fallback kernel needed"
         rows = [["method", "node", "op", "kernel", "status"]]
@@ -112,12 +114,8 @@ def edge_programs(programs: Dict[str, ExportedProgram], triton_kernel_mode: str 
     """The edge-dialect programs ``to_edge_transform_and_lower`` hands its partitioners, made the same way
     (ExecuTorch's own step, on copies): view ops become ``*_copy`` ops, composite ops are decomposed, in-place
     ops made functional, and the ops the AOTI partitioner asks to keep are kept. CPU only."""
-    import copy
-
     from executorch.backends.cuda.cuda_partitioner import CudaPartitioner
     from executorch.exir import EdgeCompileConfig
-
-    from .lowering import compile_specs
 
     todo = {name: copy.deepcopy(ep) for name, ep in programs.items() if getattr(ep, "dialect", "ATEN") != "EDGE"}
     done = {name: ep for name, ep in programs.items() if name not in todo}
@@ -134,9 +132,8 @@ def edge_programs(programs: Dict[str, ExportedProgram], triton_kernel_mode: str 
 
                 manager = to_edge(todo, compile_config=config)
         except Exception as exc:  # to_edge raises many kinds; lowering would fail the same way, only later
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise LoweringError(f"kernel preflight: ExecuTorch's to_edge step fails on this program: "
-                                f"{type(exc).__name__}: {first}",
+                                f"{type(exc).__name__}: {first_line(exc)}",
                                 "lowering would fail at the same step; complex values, for one, must be "
                                 "rewritten to real pairs first (replace_complex_with_real)") from exc
         done.update({name: manager.exported_program(name) for name in todo})
@@ -372,8 +369,6 @@ def _graph_nodes(program: ExportedProgram):
 
 
 def _where(node: torch.fx.Node) -> str:
-    from .rewrites.result import source_line
-
     return source_line(node)
 
 
@@ -436,8 +431,6 @@ def kernel_needs(program: ExportedProgram, method: str, *, triton_kernel_mode: s
 def check_kernels(programs: Dict[str, ExportedProgram], runtime: str = "1.2", *, triton_kernel_mode: str = "ON",
                   capability: Optional[Tuple[int, int]] = None) -> PreflightResult:
     """The fallback kernels every method needs, judged against ExecuTorch's allow-list and ``runtime``'s shims."""
-    from .audit import load_runtimes
-
     start = time.perf_counter()
     releases = load_runtimes()
     if runtime not in releases:
@@ -446,7 +439,7 @@ def check_kernels(programs: Dict[str, ExportedProgram], runtime: str = "1.2", *,
     release = releases[runtime]
     if capability is None and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability()
-    allowed = _compile_time_allow_list()
+    allowed = supported_fallback_kernels()
     decomposer = _Decomposer()
     programs = edge_programs(programs, triton_kernel_mode)
     needs: List[KernelNeed] = []
@@ -473,12 +466,6 @@ def check_kernels(programs: Dict[str, ExportedProgram], runtime: str = "1.2", *,
                                     why=why, where=_where(node)))
     return PreflightResult(runtime=runtime, needs=needs, nodes=total, seconds=time.perf_counter() - start,
                            notes=notes)
-
-
-def _compile_time_allow_list() -> Set[str]:
-    from executorch.backends.cuda.cuda_backend import CudaBackend
-
-    return set(CudaBackend.get_supported_fallback_kernels())
 
 
 def _judge(found: Dict[str, Any], release, allowed: Set[str]) -> Tuple[bool, str]:

@@ -1,5 +1,5 @@
 """Progress lines on stderr, in a form a person can follow: '[zoo] export ...'. Stage timing and its
-record live in the run report (zoo/pipeline.py, zoo/lower.py)."""
+record live in the run report (``zoo.report.timed_stage``)."""
 
 from __future__ import annotations
 

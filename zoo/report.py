@@ -1,21 +1,21 @@
-"""The run report: every step records what it did (counts, times, reasons) into one JSON + Markdown pair.
+"""The run report: every step records what it did (counts, times, reasons) into one report, kept in memory
+while a run goes on and written as JSON + Markdown into the run folder (``zoo.run_folder``).
 
 Sections are plain dicts keyed by step name, so steps stay independent: ``report.record("lower", {...})``.
-``stages`` keeps, in order, each step's status ("done", "skipped", "failed") and time, which the final
-summary table prints.
+``stages`` keeps, in order, each step's status ("done", "skipped", "failed", "interrupted") and time, which the
+final summary table prints. ``timed_stage`` is the one stage recorder every step runs under.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
-from . import atomic
-
-REPORT_JSON = "report.json"
-REPORT_MD = "report.md"
+from .errors import NoGpuError, first_line
+from .progress import say
 
 
 class RunReport:
@@ -24,11 +24,10 @@ class RunReport:
         self.data: Dict[str, Any] = {"recipe": recipe, "stages": [], "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
     @classmethod
-    def load(cls, run_dir: Path) -> "RunReport":
+    def from_data(cls, run_dir: Path, data: Dict[str, Any]) -> "RunReport":
+        """A report continued from what a run folder holds (``RunFolder.read_report``)."""
         report = cls(run_dir)
-        path = Path(run_dir) / REPORT_JSON
-        if path.exists():
-            report.data = json.loads(path.read_text())
+        report.data = data
         return report
 
     @property
@@ -45,10 +44,6 @@ class RunReport:
 
     def get(self, section: str, default: Any = None) -> Any:
         return self.data.get(section, default)
-
-    def write(self) -> None:
-        atomic.write_json(self.run_dir / REPORT_JSON, self.data)
-        atomic.write_text(self.run_dir / REPORT_MD, self.markdown())
 
     # --- rendering -------------------------------------------------------------------------------------
 
@@ -74,6 +69,54 @@ class RunReport:
                     out += ["```", value["table"], "```", ""]
                 out += ["```json", json.dumps(value, indent=2, default=str), "```", ""]
         return "\n".join(out)
+
+
+# --- the stage recorder ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def timed_stage(report: RunReport, name: str, label: str) -> Iterator[Dict[str, Any]]:
+    """Announce, time and record one stage of a run; every step of the pipeline runs under it.
+
+    The step puts its one-line outcome in ``facts["detail"]``. A failure is recorded as this stage's and
+    re-raised, with ``facts["failure"]`` as its detail when the step set one, else the error's first line.
+    A ``NoGpuError`` (the stage needs a CUDA device this machine lacks) records the stage as skipped.
+    """
+    say(f"{label} ...")
+    facts: Dict[str, Any] = {}
+    start = time.perf_counter()
+    try:
+        yield facts
+    except NoGpuError as exc:
+        report.stage(name, "skipped", None, exc.message)
+        say(f"{label} skipped: {exc.message}")
+        raise
+    except BaseException as exc:
+        seconds = round(time.perf_counter() - start, 3)
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        status = "interrupted" if interrupted else "failed"
+        detail = "interrupted (Ctrl-C)" if interrupted else (facts.get("failure") or first_line(exc, limit=160))
+        report.stage(name, status, seconds, detail)
+        report.record("failed_stage", name)
+        say(f"{label} {status} after {seconds:.1f} s")
+        raise
+    seconds = round(time.perf_counter() - start, 3)
+    report.stage(name, "done", seconds, str(facts.get("detail", "")))
+    say(f"{label} done in {seconds:.1f} s")
+
+
+def record_failure(report: RunReport, exc: BaseException) -> None:
+    """Mark the run failed (or interrupted) and record the error with the stage it happened in."""
+    interrupted = isinstance(exc, KeyboardInterrupt)
+    report.record("status", "interrupted" if interrupted else "failed")
+    if report.get("failed_stage") is None:  # the error came from outside a stage, or a stage recorded by hand
+        failed = [s["stage"] for s in report.stages if s["status"] == "failed"]
+        report.record("failed_stage", failed[-1] if failed else None)
+    report.record("error", {"type": type(exc).__name__, "message": getattr(exc, "message", str(exc)),
+                            "hint": getattr(exc, "hint", None), "stage": report.get("failed_stage")})
+
+
+# --- rendering helpers ---------------------------------------------------------------------------------------
 
 
 def format_table(rows: List[List[Any]]) -> str:

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, Iterator, Optional
 
+from . import policies
 from .errors import ExportError
 from .hub_cache import hub_environment, put_in_cache, tiny_cache_dir
 from .progress import say
@@ -26,11 +27,9 @@ def fabricate(recipe, cache_dir: Optional[Path] = None) -> Dict[str, str]:
     Fabrication is seeded (``source.seed``), so the same recipe gives the same bytes and the same commit id,
     and an unchanged snapshot is not copied again.
     """
-    from .policies import load_family
-
     cache = Path(cache_dir) if cache_dir is not None else tiny_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
-    family = load_family(recipe.family)
+    family = policies.load_family(recipe.family)
     main_repo = recipe.source.repo_id
     say(f"fabricating {main_repo} (seed {recipe.source.seed}) into {cache}")
     with _cache_lock(cache), tempfile.TemporaryDirectory(prefix="zoo-fabricate-") as work:

@@ -21,22 +21,24 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
-import json
 import math
 import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils import _pytree as pytree
 
 from . import numerics
+from .aoti_runner import AotiRunner
+from .artifact import extract_method_files
 from .errors import NoGpuError, VerificationFailed
-from .lowering import PTD_NAME, PTE_NAME, extract_method_files, load_io_order
 from .policies.base import InputSpec
+from .report import format_table
+from .run_folder import IO_SPEC_JSON, RunFolder
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -46,8 +48,6 @@ RunnerFactory = Callable[[str, Path, Optional[Path], str], Any]
 
 
 def aoti_runner_factory(method: str, so: Path, weights: Optional[Path], device: str):
-    from .aoti_runner import AotiRunner
-
     return AotiRunner(so, weights, device)
 
 
@@ -100,8 +100,6 @@ class VerificationResult:
         return {**self.as_dict(), "table": self.table()}
 
     def table(self) -> str:
-        from .report import format_table
-
         rows = [["runtime", "method", "seed", "sizes", "output", "max|diff|", "rel L2", "cosine", "tol", "result"]]
         for r in self.rows:
             extra = f" (eager {r.eager_rel_l2:.2e})" if r.eager_rel_l2 is not None else ""
@@ -244,25 +242,24 @@ def _to_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in LOW_PRECISION else t
 
 
-def verify_artifact(run_dir: Path, recipe, *, device: Optional[str] = None,
+def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional[str] = None,
                     runner_factory: Optional[RunnerFactory] = None, raise_on_failure: bool = True,
                     try_executorch: bool = True) -> VerificationResult:
     """Run each method's shipped .so against eager at every seed and size; ``VerificationFailed`` (carrying the
     result as ``.result``) when any output is out of tolerance."""
     start = time.perf_counter()
-    run_dir = Path(run_dir)
+    run = RunFolder(run_dir)
     device = device or _default_device()
     factory = runner_factory or aoti_runner_factory
-    io_path = run_dir / "io_spec.json"
-    if not io_path.exists():
-        raise VerificationFailed(f"{io_path} is missing: zoo cannot draw inputs for the methods",
+    if not run.io_spec_file.exists():
+        raise VerificationFailed(f"{run.io_spec_file} is missing: zoo cannot draw inputs for the methods",
                                  "the export step writes it; export the recipe again")
-    io_spec = json.loads(io_path.read_text())
+    io_spec = run.read_io_spec()
     per_method = io_spec.get("methods", io_spec)  # {"methods": {...}, "dynamic": ...} or methods at the top
     methods = list(recipe.unit.methods)
     missing = [m for m in methods if m not in per_method]
     if missing:
-        raise VerificationFailed(f"io_spec.json has no entry for method(s) {', '.join(missing)}",
+        raise VerificationFailed(f"{IO_SPEC_JSON} has no entry for method(s) {', '.join(missing)}",
                                  "the run folder does not belong to this recipe; export again")
     specs = {m: [InputSpec(**d) for d in per_method[m]["inputs"]] for m in methods}
     output_names = {m: list(per_method[m].get("outputs", [])) for m in methods}
@@ -270,8 +267,8 @@ def verify_artifact(run_dir: Path, recipe, *, device: Optional[str] = None,
     cases = size_cases(io_spec, recipe)
 
     def run_all(runtime: str, call: Callable[[str, List[torch.Tensor]], List[torch.Tensor]]) -> List[Row]:
-        eager = {m: _eager_module(run_dir / f"exported.{m}.pt2", device) for m in methods}
-        ref32 = ({m: _eager_module(run_dir / f"reference_fp32.{m}.pt2", device) for m in methods}
+        eager = {m: _eager_module(run.program("exported", m), device) for m in methods}
+        ref32 = ({m: _eager_module(run.program("reference_fp32", m), device) for m in methods}
                  if low_precision else {})
         rows: List[Row] = []
         seen = set()
@@ -296,17 +293,16 @@ def verify_artifact(run_dir: Path, recipe, *, device: Optional[str] = None,
                                         eager_rel_l2=facts.get("eager_rel_l2"), vs_eager=facts.get("vs_eager")))
         return rows
 
-    orders = {m: load_io_order(run_dir, m) for m in methods}
-    pte, ptd = run_dir / PTE_NAME, run_dir / PTD_NAME
-    if not pte.exists():
-        raise VerificationFailed(f"{pte} is missing", "lower the run first (`python -m zoo.lower RUN_DIR`)")
-    with shipped_runners(pte, ptd, methods, factory, device) as runners:
+    orders = {m: run.io_order(m) for m in methods}
+    if not run.pte.exists():
+        raise VerificationFailed(f"{run.pte} is missing", "lower the run first (`python -m zoo.lower RUN_DIR`)")
+    with shipped_runners(run.pte, run.ptd, methods, factory, device) as runners:
 
         def call_so(m: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
             return run_in_delegate_order(runners[m], orders[m], inputs)
 
         rows = run_all("aoti", call_so)
-    status, et_call = executorch_runtime(run_dir, device) if try_executorch else ("ExecuTorch runtime: not tried", None)
+    status, et_call = executorch_runtime(run, device) if try_executorch else ("ExecuTorch runtime: not tried", None)
     if et_call is not None:
         rows += run_all("executorch", et_call)
     result = VerificationResult(rows=rows, device=device, gpu=_gpu_info(device), executorch_runtime=status,
@@ -351,7 +347,7 @@ def shipped_runners(pte: Path, ptd: Path, methods: Sequence[str], factory: Runne
         shutil.rmtree(shipped_dir, ignore_errors=True)
 
 
-def executorch_runtime(run_dir: Path, device: str) -> Tuple[str, Optional[Callable]]:
+def executorch_runtime(run_dir: Union[RunFolder, Path], device: str) -> Tuple[str, Optional[Callable]]:
     """A caller running methods through ExecuTorch's own runtime, where a build with CudaBackend is importable."""
     try:
         from executorch.extension.pybindings import portable_lib
@@ -361,9 +357,8 @@ def executorch_runtime(run_dir: Path, device: str) -> Tuple[str, Optional[Callab
     if "CudaBackend" not in backends:
         return ("ExecuTorch runtime: not importable here (the installed executorch has no CudaBackend, only "
                 f"{', '.join(backends) or 'no backends'}; CUDA builds are published from 1.5.0)"), None
-    ptd = Path(run_dir) / PTD_NAME
-    module = portable_lib._load_for_executorch(str(Path(run_dir) / PTE_NAME),
-                                               data_path=str(ptd) if ptd.exists() else None)
+    run = RunFolder(run_dir)
+    module = portable_lib._load_for_executorch(str(run.pte), data_path=str(run.ptd) if run.ptd.exists() else None)
 
     def call(method: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
         outs = module.run_method(method, [t.cpu() for t in inputs])

@@ -29,7 +29,8 @@ def lower_and_compare(module: nn.Module, inputs: Sequence[torch.Tensor], rewrite
                       triton: str = "OFF", bound: float = 1e-5):
     from zoo import numerics, rewrites as zr
     from zoo.aoti_runner import AotiRunner
-    from zoo.lowering import PTD_NAME, PTE_NAME, extract_method_files, lower_to_pte
+    from zoo.artifact import PTD_NAME, PTE_NAME, extract_method_files
+    from zoo.lowering import lower_to_pte
 
     module = module.eval()
     with torch.no_grad():
@@ -124,7 +125,8 @@ def test_causal_fused_flash_attention_bf16_at_a_square_shape(tmp_path):
 def test_int64_scatter_add_is_refused_by_the_preflight_before_compiling(tmp_path, monkeypatch):
     import torch._inductor
     from zoo.errors import LoweringError
-    from zoo.lowering import PTE_NAME, lower_to_pte
+    from zoo.artifact import PTE_NAME
+    from zoo.lowering import lower_to_pte
 
     def no_compile(*args, **kwargs):
         raise AssertionError("AOTInductor compiled: the preflight should have refused first")
