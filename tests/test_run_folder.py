@@ -132,7 +132,6 @@ FRAGMENTS = (".pt2", ".io.json", ".weights.blob", ".partial-", "*.so")
 OWNERS = {"zoo/run_folder.py", "zoo/artifact.py"}
 # Where a name is still spelled, and why.
 STILL_SPELLED = {
-    "zoo/bench.py": "pending: i16-bench (zoo/bench.py becomes the zoo/bench/ package; it reads through RunFolder then)",
     "zoo/bundle.py": "the offline bundle's own manifest.json: a bundle is not a run folder",
 }
 

@@ -292,12 +292,6 @@ def write_artifacts(executorch_program, run: Union[RunFolder, Path],
         shutil.rmtree(staging, ignore_errors=True)
 
 
-# zoo/bench.py (being split into zoo/bench/ on branch i16-bench) still takes these from here; once both
-# branches are merged it reads them from zoo.artifact and zoo.run_folder, and this goes (pending: i16-bench).
-def load_io_order(run_dir: Path, method: str) -> Dict[str, Any]:
-    return RunFolder(run_dir).io_order(method)
-
-
 def _lowering_error(exc: Exception, lowering) -> LoweringError:
     text = str(exc)
     first = first_line(exc)

@@ -15,10 +15,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..artifact import PTD_NAME, PTE_NAME
 from ..errors import ZooError
-from ..lowering import PTD_NAME, PTE_NAME, load_io_order
 from ..numerics import compare
 from ..policies.base import InputSpec
+from ..run_folder import RunFolder
 from ..verify import aoti_runner_factory, run_in_delegate_order, shipped_runners
 from .measuring import PeakMemory, measure, timer_for
 from .rendering import TARGETS, Targets, judge_method
@@ -295,8 +296,8 @@ def agreement(records: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
 def run_folder_candidates(run_dir: Path, method: str, device: str, compile_program: str = "exported",
                           compile_dynamic: Optional[bool] = None, with_compile: bool = True) -> List[Candidate]:
     """eager and compile from the saved programs; artifact from the method's extracted .so + weights blob."""
-    run_dir = Path(run_dir)
-    exported = run_dir / f"exported.{method}.pt2"
+    run = RunFolder(run_dir)
+    exported = run.program("exported", method)
     holder: Dict[str, Any] = {}
 
     def program_module(path: Path) -> Callable[[], RunFn]:
@@ -319,9 +320,9 @@ def run_folder_candidates(run_dir: Path, method: str, device: str, compile_progr
 
     candidates = [Candidate("eager", program_module(exported), free,
                             what=f"{exported.name} (original program, complex math) run op by op")]
-    candidates.append(artifact_candidate(run_dir, method, device))
+    candidates.append(artifact_candidate(run.path, method, device))
     if with_compile:
-        source = run_dir / f"{compile_program}.{method}.pt2"
+        source = run.program(compile_program, method)
         dyn = {None: "dynamic=None", True: "dynamic=True", False: "dynamic=False"}[compile_dynamic]
         candidates.append(Candidate("compile", compiled(source), free,
                                     what=f"torch.compile({source.name}, mode=default, {dyn})"))
@@ -362,7 +363,7 @@ def artifact_candidate(run_dir: Path, method: str, device: str) -> Candidate:
     run_dir = Path(run_dir)
     if torch.device(device).type != "cuda":
         return Candidate("artifact", lambda: None, skipped="the artifact runs only on a CUDA device")
-    if not (run_dir / PTE_NAME).is_file():
+    if not RunFolder(run_dir).pte.is_file():
         return Candidate("artifact", lambda: None,
                          skipped=f"not lowered ({PTE_NAME} missing): python -m zoo lower {run_dir}")
     holder: Dict[str, Any] = {}
@@ -376,7 +377,7 @@ def artifact_candidate(run_dir: Path, method: str, device: str) -> Candidate:
             holder.pop("method").close()
 
     return Candidate("artifact", build, teardown,
-                     what=f"{method}'s .so + weights taken out of model.pte / aoti_cuda_blob.ptd, via torch's AOTI "
+                     what=f"{method}'s .so + weights taken out of {PTE_NAME} / {PTD_NAME}, via torch's AOTI "
                           "runner, delegate I/O order")
 
 
@@ -386,11 +387,10 @@ class ArtifactMethod:
     order (``verify.run_in_delegate_order``)."""
 
     def __init__(self, run_dir: Path, method: str, device: str = "cuda"):
-        run_dir = Path(run_dir)
-        self.order = load_io_order(run_dir, method)
+        run = RunFolder(run_dir)
+        self.order = run.io_order(method)
         self._open = contextlib.ExitStack()
-        runners = self._open.enter_context(
-            shipped_runners(run_dir / PTE_NAME, run_dir / PTD_NAME, [method], aoti_runner_factory, device))
+        runners = self._open.enter_context(shipped_runners(run.pte, run.ptd, [method], aoti_runner_factory, device))
         self.runner = runners[method]
 
     def __call__(self, args: Sequence[torch.Tensor]) -> List[torch.Tensor]:

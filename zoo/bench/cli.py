@@ -33,8 +33,8 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from ..errors import NoGpuError, ZooError
-from ..lowering import PTD_NAME, PTE_NAME, SO_DIR
-from ..report import REPORT_JSON
+from ..artifact import so_file_name, weights_file_name
+from ..run_folder import IO_SPEC_JSON, RunFolder
 from .candidates import (
     bench_method,
     carried_state_cost,
@@ -54,11 +54,11 @@ from .rotary import DEFAULT_CASES, parse_case, run_rotary
 
 
 def load_io_spec(run_dir: Path) -> Dict[str, Any]:
-    path = Path(run_dir) / "io_spec.json"
+    path = RunFolder(run_dir).io_spec_file
     if not Path(run_dir).is_dir():
         raise ZooError(f"run folder {run_dir} does not exist", "pass the folder `python -m zoo export` wrote")
     if not path.is_file():
-        raise ZooError(f"{run_dir} has no io_spec.json, so it is not a zoo run folder (or its export failed)",
+        raise ZooError(f"{run_dir} has no {IO_SPEC_JSON}, so it is not a zoo run folder (or its export failed)",
                        "pass the folder `python -m zoo export RECIPE` wrote; report.md there says what failed")
     try:
         return json.loads(path.read_text())
@@ -67,12 +67,10 @@ def load_io_spec(run_dir: Path) -> Dict[str, Any]:
 
 
 def run_name(run_dir: Path) -> str:
-    path = Path(run_dir) / "recipe.yaml"
-    if path.is_file():
-        from omegaconf import OmegaConf
-
-        with contextlib.suppress(Exception):  # the name is a label only; the folder name stands in
-            return str(OmegaConf.load(path).get("name") or Path(run_dir).name)
+    with contextlib.suppress(Exception):  # the name is a label only; the folder name stands in
+        recipe = RunFolder(run_dir).recipe_dict()
+        if recipe is not None:
+            return str(recipe.get("name") or Path(run_dir).name)
     return Path(run_dir).resolve().name
 
 
@@ -81,11 +79,11 @@ COST_STAGES = ("export", "rewrite", "cpu_check", "lower", "audit", "verify")
 
 def export_cost(run_dir: Path) -> Dict[str, Optional[float]]:
     """Seconds per pipeline stage, from report.json (None for a stage that did not run)."""
-    path = Path(run_dir) / REPORT_JSON
-    if not path.is_file():
+    run = RunFolder(run_dir)
+    if not run.is_run():
         return {}
     try:
-        stages = json.loads(path.read_text()).get("stages") or []
+        stages = run.read_report().get("stages") or []
     except ValueError:
         return {}
     found = {s.get("stage"): s.get("seconds") for s in stages if s.get("status") == "done"}
@@ -93,10 +91,10 @@ def export_cost(run_dir: Path) -> Dict[str, Optional[float]]:
 
 
 def artifact_sizes(run_dir: Path) -> Dict[str, int]:
-    run_dir = Path(run_dir)
-    files = [run_dir / PTE_NAME, run_dir / PTD_NAME] + sorted((run_dir / SO_DIR).glob("*.so")) \
-        + sorted((run_dir / SO_DIR).glob("*.weights.blob"))
-    return {str(p.relative_to(run_dir)): p.stat().st_size for p in files if p.is_file()}
+    run = RunFolder(run_dir)
+    files = [run.pte, run.ptd] + sorted(run.so_dir.glob(so_file_name("*"))) \
+        + sorted(run.so_dir.glob(weights_file_name("*")))
+    return {str(p.relative_to(run.path)): p.stat().st_size for p in files if p.is_file()}
 
 
 # ------------------------------------------------------------------------------------------------------

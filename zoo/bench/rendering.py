@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from .. import atomic
+from ..artifact import PTD_NAME, PTE_NAME
 from ..report import format_table, markdown_table
 from .measuring import MIB
 
@@ -177,7 +178,7 @@ UNIT_STAGES = ("build", "export", "rewrite", "lower", "verify", "bench")
 
 def units_rows(units: Sequence[Dict[str, Any]]) -> List[List[str]]:
     """Per unit: seconds per stage (or why it did not run) and the artifact files' sizes."""
-    rows = [["unit", "status"] + [f"{s} s" for s in UNIT_STAGES] + ["model.pte MiB", ".ptd MiB", ".so MiB"]]
+    rows = [["unit", "status"] + [f"{s} s" for s in UNIT_STAGES] + [f"{PTE_NAME} MiB", ".ptd MiB", ".so MiB"]]
     for u in units:
         cells = []
         for s in UNIT_STAGES:
@@ -187,7 +188,7 @@ def units_rows(units: Sequence[Dict[str, Any]]) -> List[List[str]]:
         sizes = u.get("artifact_sizes") or {}
         so = sum(n for k, n in sizes.items() if k.endswith(".so"))
         rows.append([u["unit"], u.get("status", "?")] + cells +
-                    [_mib(sizes.get("model.pte")), _mib(sizes.get("aoti_cuda_blob.ptd")), _mib(so or None)])
+                    [_mib(sizes.get(PTE_NAME)), _mib(sizes.get(PTD_NAME)), _mib(so or None)])
     return rows
 
 
