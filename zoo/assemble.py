@@ -33,7 +33,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from .errors import LoweringError
 from .flatc import ensure_flatc
@@ -230,8 +230,8 @@ def read_data_file(path: Path) -> List[DataEntry]:
     return entries
 
 
-def _digest(entry: DataEntry) -> bytes:
-    h = hashlib.sha256()
+def _chunks(entry: DataEntry) -> Iterator[bytes]:
+    """An entry's bytes, read from where they lie in pieces of at most 64 MiB."""
     with open(entry.source, "rb") as fh:
         fh.seek(entry.offset)
         left = entry.size
@@ -239,8 +239,14 @@ def _digest(entry: DataEntry) -> bytes:
             chunk = fh.read(min(left, _COPY_CHUNK))
             if not chunk:
                 raise LoweringError(f"{entry.source} ends inside entry {entry.key!r}", "the file is truncated")
-            h.update(chunk)
+            yield chunk
             left -= len(chunk)
+
+
+def _digest(entry: DataEntry) -> bytes:
+    h = hashlib.sha256()
+    for chunk in _chunks(entry):
+        h.update(chunk)
     return h.digest()
 
 
@@ -304,7 +310,8 @@ def write_data_file(entries: Sequence[DataEntry], dest: Path, *,
         out.write(head)
         for entry, segment in zip(unique, segments):
             out.write(b"\x00" * (base + segment.offset - out.tell()))
-            _copy(entry, out)
+            for chunk in _chunks(entry):
+                out.write(chunk)
         out.flush()
         os.fsync(out.fileno())
     members: List[List[str]] = [[] for _ in unique]
@@ -312,18 +319,6 @@ def write_data_file(entries: Sequence[DataEntry], dest: Path, *,
         members[w].append(entry.key)
     return DataFileSummary(name=dest.name, file_bytes=dest.stat().st_size, entries={e.key: e.size for e in entries},
                            segments=members, shared_bytes=sum(e.size for e in entries) - sum(e.size for e in unique))
-
-
-def _copy(entry: DataEntry, out) -> None:
-    with open(entry.source, "rb") as fh:
-        fh.seek(entry.offset)
-        left = entry.size
-        while left:
-            chunk = fh.read(min(left, _COPY_CHUNK))
-            if not chunk:
-                raise LoweringError(f"{entry.source} ends inside entry {entry.key!r}", "the file is truncated")
-            out.write(chunk)
-            left -= len(chunk)
 
 
 def merge_data_entries(parts: Sequence[Tuple[str, List[DataEntry]]]) -> List[DataEntry]:
