@@ -28,7 +28,9 @@ X = torch.randn(3, DIM, generator=torch.Generator().manual_seed(2))
 
 class Unit(nn.Module):
     """``shared`` both methods read; ``head_a`` only ``a``; ``head_b`` only ``b``; ``scale`` a buffer ``a`` reads;
-    ``tiny`` a 4-element parameter (Inductor inlines it into the code); ``unused`` no method reads."""
+    ``table`` a plain tensor attribute both read (a lifted constant, which ExecuTorch hands to Inductor under a
+    positional name); ``tiny`` a 4-element parameter (Inductor inlines it into the code); ``unused`` no method
+    reads."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -37,6 +39,7 @@ class Unit(nn.Module):
         self.shared = nn.Sequential(nn.Linear(DIM, DIM), nn.GELU(), nn.Linear(DIM, DIM))
         self.head_b = nn.Linear(DIM, DIM, bias=False)
         self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))
+        self.table = torch.linspace(-1.0, 1.0, DIM)
         self.tiny = nn.Parameter(torch.tensor([1.0, 2.0, 3.0, 4.0]))
         self.unused = nn.Parameter(torch.randn(DIM))
 
@@ -47,7 +50,7 @@ class A(nn.Module):
         self.u = unit
 
     def forward(self, x):
-        return self.u.shared(self.u.head_a(x)) * self.u.scale
+        return self.u.shared(self.u.head_a(x)) * self.u.scale + self.u.table
 
 
 class B(nn.Module):
@@ -56,7 +59,7 @@ class B(nn.Module):
         self.u = unit
 
     def forward(self, x):
-        y = self.u.head_b(self.u.shared(x))
+        y = self.u.head_b(self.u.shared(x)) - self.u.table
         return y + self.u.tiny.repeat(DIM // 4)
 
 
@@ -75,10 +78,12 @@ def programs():
 def test_plan_is_every_constant_a_method_reads_in_first_read_order():
     plan = constant_plan.plan_constants(programs())
     assert plan.fqns() == ["u.head_a.weight", "u.head_a.bias", "u.shared.0.weight", "u.shared.0.bias",
-                           "u.shared.2.weight", "u.shared.2.bias", "u.scale", "u.tiny", "u.head_b.weight"]
+                           "u.shared.2.weight", "u.shared.2.bias", "u.scale", "u.table", "u.tiny",
+                           "u.head_b.weight"]
     by = {c.fqn: c for c in plan.constants}
     assert by["u.shared.0.weight"].methods == ["a", "b"] and by["u.head_b.weight"].methods == ["b"]
     assert by["u.head_a.weight"].nbytes == DIM * DIM * 4 and by["u.scale"].kind == "buffer"
+    assert by["u.table"].kind == "constant" and by["u.table"].methods == ["a", "b"]
     assert plan.private == {}
     assert constant_plan.ConstantPlan.from_dict(plan.as_dict()) == plan
 
@@ -111,7 +116,7 @@ def test_values_come_from_each_methods_program_and_a_missing_one_is_an_error():
     values = constant_plan.plan_values(progs["b"], plan)  # b holds head_a although it never reads it
     assert torch.equal(values["u.head_a.weight"], modules()["a"].u.head_a.weight)
     alone = torch.export.export(nn.Linear(DIM, DIM), (X,))
-    with pytest.raises(LoweringError, match="lacks 9 constant"):
+    with pytest.raises(LoweringError, match="lacks 10 constant"):
         constant_plan.plan_values(alone, plan)
 
 
@@ -149,11 +154,15 @@ def test_each_method_so_carries_the_plan_in_plan_order(lowered):
         assert all(row["planned"] for row in table)
     added = {row["fqn"] for row in lowered["parts"]["b"].record["constants"][0] if row["added"]}
     assert {"u.head_a.weight", "u.head_a.bias", "u.scale"} <= added  # b's graph never reads them
+    for method, part in lowered["parts"].items():  # the lifted constant reaches Inductor under another name
+        (table,) = part.record["constants"]
+        assert [(row["name"].startswith("_tensor_constant"), row["adopted"]) for row in table
+                if row["fqn"] == "u.table"] == [(True, True)], method
 
 
 def test_weight_blobs_are_the_plan_tensors_byte_for_byte_and_identical(lowered):
     unit = modules()["a"].u
-    state = dict(unit.named_parameters(prefix="u")) | dict(unit.named_buffers(prefix="u"))
+    state = dict(unit.named_parameters(prefix="u")) | dict(unit.named_buffers(prefix="u")) | {"u.table": unit.table}
     expected = b"".join(_padded(state[fqn]) for fqn in lowered["plan"].fqns())
     for method, entry in lowered["files"].items():
         assert Path(entry["weights"]).read_bytes() == expected, method

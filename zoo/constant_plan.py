@@ -175,6 +175,20 @@ def apply_plan(graph: Any, plan: ConstantPlan, values: Mapping[str, torch.Tensor
     """Make ``graph.constants`` (an Inductor GraphLowering after ``run``) the plan's constants in plan order,
     adding those the graph does not read, then the graph's own others; returns the resulting table."""
     by_fqn = {graph.allocated_constant_name.get(name, name): name for name in graph.constants}
+    planned_fqns = set(plan.fqns())
+    adopted = set()
+    for name, value in list(graph.constants.items()):
+        if graph.allocated_constant_name.get(name, name) in planned_fqns:
+            continue
+        # A constant Inductor named by position (``_tensor_constant0``: ExecuTorch hands lifted constants over
+        # under new names) that holds a planned constant's value stands for it: it takes the planned FQN, so
+        # every method lists it under the same name, and no second copy is added.
+        for entry in plan.constants:
+            if entry.fqn not in by_fqn and _same_value(values[entry.fqn], value):
+                graph.allocated_constant_name[name] = entry.fqn
+                by_fqn[entry.fqn] = name
+                adopted.add(name)
+                break
     device = _graph_device(graph)
     added = set()
     for entry in plan.constants:
@@ -195,7 +209,7 @@ def apply_plan(graph: Any, plan: ConstantPlan, values: Mapping[str, torch.Tensor
     graph.constants.update(ordered)  # in place: codegen and the blob writer both read this dict
     return [{"name": name, "fqn": graph.allocated_constant_name.get(name, name), "dtype": str(value.dtype),
              "shape": list(value.shape), "nbytes": int(value.untyped_storage().nbytes()),
-             "planned": name in planned, "added": name in added}
+             "planned": name in planned, "added": name in added, "adopted": name in adopted}
             for name, value in graph.constants.items()]
 
 
