@@ -109,18 +109,21 @@ def cmd_lower(args) -> int:
                "max_mm_configs": recipe.lowering.max_mm_configs,
                "constant_plan": plan.as_dict() if plan else None}
     jobs = [MethodJob(m, programs_paths[m], options) for m in methods]
+    pythonpath = os.pathsep.join([str(ROOT / "scripts"), *([args.pythonpath] if args.pythonpath else [])])
     assembled, parts = lowering_workers.lower_and_assemble(
-        jobs, "gpu_shared_weights:lower_cuda_method", out / "workers", out, pte_name=lowering.PTE_NAME,
-        max_workers=args.workers, env={"PYTHONPATH": str(ROOT / "scripts")}, say=say)
+        jobs, args.function, out / "workers", out, pte_name=lowering.PTE_NAME,
+        max_workers=args.workers, env={"PYTHONPATH": pythonpath}, say=say)
     for m, part in parts.items():
         atomic.write_json(out / lowering.SO_DIR / f"{m}.io.json", {"method": m, **part.record["io"]})
+        for path in [part.pte, *part.data_files.values()]:  # assembled now; at real size each is ~10 GB of disk
+            path.unlink()
     for name in LINKED + tuple(f"{k}.{m}.pt2" for k in PROGRAM_KINDS for m in methods):
         src, dest = run_dir / name, out / name
         if src.exists() and not dest.exists():
             dest.symlink_to(src)
     summary = {"run_dir": str(run_dir), "plan": plan.as_dict() if plan else None, "plan_seconds": plan_seconds,
                "wall_seconds": time.perf_counter() - start,
-               "methods": {m: {"seconds": p.seconds, "compile_seconds": p.record["compile_seconds"],
+               "methods": {m: {"seconds": p.seconds, "compile_seconds": p.record.get("compile_seconds"),
                                "constants": p.record["constants"], "log": str(p.log)} for m, p in parts.items()},
                "assembled": assembled.as_dict()}
     atomic.write_json(out / "summary.json", summary)
@@ -142,6 +145,29 @@ def _free_mib() -> float:
     return torch.cuda.mem_get_info()[0] / 2**20
 
 
+def extract_once(pte: Path, index, methods: List[str], folder: Path) -> Dict[str, Dict[str, Path]]:
+    """Each method's .so from the .pte and its weights from the .ptd, one file per distinct .ptd segment (the
+    runner wants a path; two methods naming one segment share the file)."""
+    programs = assemble.read_program(pte)
+    folder.mkdir(parents=True, exist_ok=True)
+    by_key = {e.key: e for e in index}
+    written: Dict[tuple, Path] = {}
+    files = {}
+    for m in methods:
+        so = folder / f"{m}.so"
+        so_entry = programs.named_data.pte_data[m + lowering.SO_SUFFIX]
+        so.write_bytes(programs.named_data.buffers[so_entry.buffer_index])
+        entry = by_key[m + lowering.WEIGHTS_SUFFIX]
+        where = (entry.offset, entry.size)
+        if where not in written:
+            written[where] = folder / f"{m}.weights.blob"
+            with open(written[where], "wb") as dst:
+                for chunk in assemble.entry_chunks(entry):
+                    dst.write(chunk)
+        files[m] = {"so": so, "weights": written[where]}
+    return files
+
+
 def cmd_check(args) -> int:
     from zoo import numerics
     from zoo.aoti_runner import promote_libtorch_global
@@ -161,7 +187,7 @@ def cmd_check(args) -> int:
     say(f"{ptd.name}: {json.dumps(result['ptd'])}")
 
     promote_libtorch_global()
-    files = lowering.extract_method_files(pte, ptd, out / "check")
+    files = extract_once(pte, index, methods, out / "check")
     io_spec = json.loads((out / "io_spec.json").read_text())
     sizes = io_spec.get("example_sizes", {})
     device = "cuda"
@@ -255,6 +281,10 @@ def main(argv: List[str] = None) -> int:
     p.add_argument("out")
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--no-plan", action="store_true")
+    p.add_argument("--function", default="gpu_shared_weights:lower_cuda_method",
+                   help="the per-method lowering (a CPU dry run: aoti_cpu_probe:lower_probe with "
+                        "--pythonpath tests/fixtures)")
+    p.add_argument("--pythonpath", default="")
     p = sub.add_parser("check")
     p.add_argument("out")
     p.add_argument("--verify", action="store_true")

@@ -230,7 +230,7 @@ def read_data_file(path: Path) -> List[DataEntry]:
     return entries
 
 
-def _chunks(entry: DataEntry) -> Iterator[bytes]:
+def entry_chunks(entry: DataEntry) -> Iterator[bytes]:
     """An entry's bytes, read from where they lie in pieces of at most 64 MiB."""
     with open(entry.source, "rb") as fh:
         fh.seek(entry.offset)
@@ -245,7 +245,7 @@ def _chunks(entry: DataEntry) -> Iterator[bytes]:
 
 def _digest(entry: DataEntry) -> bytes:
     h = hashlib.sha256()
-    for chunk in _chunks(entry):
+    for chunk in entry_chunks(entry):
         h.update(chunk)
     return h.digest()
 
@@ -310,7 +310,7 @@ def write_data_file(entries: Sequence[DataEntry], dest: Path, *,
         out.write(head)
         for entry, segment in zip(unique, segments):
             out.write(b"\x00" * (base + segment.offset - out.tell()))
-            for chunk in _chunks(entry):
+            for chunk in entry_chunks(entry):
                 out.write(chunk)
         out.flush()
         os.fsync(out.fileno())

@@ -131,7 +131,8 @@ def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
     names = [job.method for job in jobs]
     if len(set(names)) != len(names):
         raise LoweringError(f"a method is named twice in {names}", "give each job a different method")
-    resolve_function(function)  # refuse a bad name here, not once per worker
+    worker_env = _worker_env(env)
+    _resolve_as_worker(function, worker_env)  # refuse a bad name here, not once per worker
     for job in jobs:
         if not Path(job.program).is_file():
             raise LoweringError(f"the program of method {job.method!r} is missing: {job.program}",
@@ -140,7 +141,6 @@ def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
     if workers < 1:
         raise LoweringError(f"max_workers={workers} must be at least 1", "lower at least one method at a time")
     work_dir = Path(work_dir)
-    worker_env = _worker_env(env)
 
     pending = list(jobs)
     running: Dict[str, _Running] = {}
@@ -195,6 +195,16 @@ def _worker_env(extra: Optional[Mapping[str, str]]) -> Dict[str, str]:
     paths = [zoo_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != zoo_root]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
+
+
+def _resolve_as_worker(function: str, env: Mapping[str, str]) -> None:
+    """Resolve ``function`` here with the worker's PYTHONPATH in front of ``sys.path``, as the worker will."""
+    saved = list(sys.path)
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    try:
+        resolve_function(function)
+    finally:
+        sys.path[:] = saved
 
 
 def _start(job: MethodJob, function: str, work_dir: Path, env: Dict[str, str]) -> _Running:
