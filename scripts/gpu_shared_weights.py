@@ -42,11 +42,9 @@ for path in (ROOT, ROOT / "scripts"):
 
 import torch  # noqa: E402
 
-from zoo import assemble, atomic, constant_plan, lowering, lowering_workers  # noqa: E402
+from zoo import artifact, assemble, atomic, constant_plan, lowering, lowering_workers, runtimes  # noqa: E402
 from zoo.lowering_workers import LoweredMethod, MethodJob  # noqa: E402
-
-LINKED = ("recipe.yaml", "source.json", "io_spec.json", "host_settings.json", "processors")
-PROGRAM_KINDS = ("exported", "reference_fp32", "rewritten")
+from zoo.run_folder import PROGRAM_KINDS, RunFolder  # noqa: E402
 
 
 def say(message: str) -> None:
@@ -70,7 +68,7 @@ def lower_cuda_method(method: str, program, options: Dict[str, Any]) -> LoweredM
         with follow as tables:
             edge = to_edge_transform_and_lower(
                 {method: program},
-                partitioner={method: [CudaPartitioner(lowering.compile_specs(method, options["triton_kernel_mode"]))]},
+                partitioner={method: [CudaPartitioner(runtimes.compile_specs(method, options["triton_kernel_mode"]))]},
                 compile_config=EdgeCompileConfig(_check_ir_validity=False))
     io = lowering.delegate_io_order(edge.exported_program(method), method)
     io["output_names"] = list(program.graph_signature.user_outputs)
@@ -90,13 +88,11 @@ class _no_plan:
 
 
 def cmd_lower(args) -> int:
-    from zoo.lower import load_run_recipe
-
-    run_dir, out = Path(args.run_dir).resolve(), Path(args.out).resolve()
-    recipe = load_run_recipe(run_dir)
+    run, out = RunFolder(Path(args.run_dir).resolve()), RunFolder(Path(args.out).resolve())
+    recipe = run.load_recipe()
     methods = list(recipe.unit.methods)
-    programs_paths = {m: run_dir / f"rewritten.{m}.pt2" for m in methods}
-    out.mkdir(parents=True, exist_ok=True)
+    programs_paths = {m: run.program("rewritten", m) for m in methods}
+    out.path.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     plan = None
     if not args.no_plan:
@@ -111,23 +107,26 @@ def cmd_lower(args) -> int:
     jobs = [MethodJob(m, programs_paths[m], options) for m in methods]
     pythonpath = os.pathsep.join([str(ROOT / "scripts"), *([args.pythonpath] if args.pythonpath else [])])
     assembled, parts = lowering_workers.lower_and_assemble(
-        jobs, args.function, out / "workers", out, pte_name=lowering.PTE_NAME,
+        jobs, args.function, out.path / "workers", out.path, pte_name=artifact.PTE_NAME,
         max_workers=args.workers, env={"PYTHONPATH": pythonpath}, say=say)
     for m, part in parts.items():
-        atomic.write_json(out / lowering.SO_DIR / f"{m}.io.json", {"method": m, **part.record["io"]})
+        out.write_io_order(m, {"method": m, **part.record["io"]})
         for path in [part.pte, *part.data_files.values()]:  # assembled now; at real size each is ~10 GB of disk
             path.unlink()
-    for name in LINKED + tuple(f"{k}.{m}.pt2" for k in PROGRAM_KINDS for m in methods):
-        src, dest = run_dir / name, out / name
+    linked = [(run.recipe_file, out.recipe_file), (run.source_file, out.source_file),
+              (run.io_spec_file, out.io_spec_file), (run.host_settings_file, out.host_settings_file),
+              (run.processors_dir, out.processors_dir)]
+    linked += [(run.program(k, m), out.program(k, m)) for k in PROGRAM_KINDS for m in methods]
+    for src, dest in linked:
         if src.exists() and not dest.exists():
             dest.symlink_to(src)
-    summary = {"run_dir": str(run_dir), "plan": plan.as_dict() if plan else None, "plan_seconds": plan_seconds,
+    summary = {"run_dir": str(run.path), "plan": plan.as_dict() if plan else None, "plan_seconds": plan_seconds,
                "wall_seconds": time.perf_counter() - start,
                "methods": {m: {"seconds": p.seconds, "compile_seconds": p.record.get("compile_seconds"),
                                "constants": p.record["constants"], "log": str(p.log)} for m, p in parts.items()},
                "assembled": assembled.as_dict()}
-    atomic.write_json(out / "summary.json", summary)
-    ptd = assembled.data_files.get(lowering.PTD_NAME)
+    atomic.write_json(out.path / "summary.json", summary)
+    ptd = assembled.data_files.get(artifact.PTD_NAME)
     say(f"lowered {', '.join(methods)} in {summary['wall_seconds']:.1f} s wall "
         f"({', '.join(f'{m} {p.seconds:.1f} s' for m, p in parts.items())})")
     if ptd is not None:
@@ -140,9 +139,18 @@ def cmd_lower(args) -> int:
 # --- check ----------------------------------------------------------------------------------------------------
 
 
-def _free_mib() -> float:
+def _free_mib(device: str) -> float:
+    """Free device memory (CUDA); 0 on the CPU, where a dry run of ``check`` measures nothing."""
+    if device != "cuda":
+        return 0.0
     torch.cuda.synchronize()
     return torch.cuda.mem_get_info()[0] / 2**20
+
+
+def _runner(so: Path, device: str):
+    if device == "cuda":
+        return torch._C._aoti.AOTIModelContainerRunnerCuda(str(so), 1, device)
+    return torch._C._aoti.AOTIModelContainerRunnerCpu(str(so), 1)
 
 
 def extract_once(pte: Path, index, methods: List[str], folder: Path) -> Dict[str, Dict[str, Path]]:
@@ -155,9 +163,9 @@ def extract_once(pte: Path, index, methods: List[str], folder: Path) -> Dict[str
     files = {}
     for m in methods:
         so = folder / f"{m}.so"
-        so_entry = programs.named_data.pte_data[m + lowering.SO_SUFFIX]
+        so_entry = programs.named_data.pte_data[m + artifact.SO_SUFFIX]
         so.write_bytes(programs.named_data.buffers[so_entry.buffer_index])
-        entry = by_key[m + lowering.WEIGHTS_SUFFIX]
+        entry = by_key[m + artifact.WEIGHTS_SUFFIX]
         where = (entry.offset, entry.size)
         if where not in written:
             written[where] = folder / f"{m}.weights.blob"
@@ -171,15 +179,15 @@ def extract_once(pte: Path, index, methods: List[str], folder: Path) -> Dict[str
 def cmd_check(args) -> int:
     from zoo import numerics
     from zoo.aoti_runner import promote_libtorch_global
-    from zoo.lower import load_run_recipe
     from zoo.policies.base import InputSpec
     from zoo.verify import draw_inputs, run_in_delegate_order
 
-    out = Path(args.out).resolve()
-    recipe = load_run_recipe(out)
+    out = RunFolder(Path(args.out).resolve())
+    recipe = out.load_recipe()
     methods = list(recipe.unit.methods)
     result: Dict[str, Any] = {"ptd": {}, "memory_mib": {}, "outputs": {}}
-    pte, ptd = out / lowering.PTE_NAME, out / lowering.PTD_NAME
+    pte = out.pte
+    ptd = out.ptd if args.device == "cuda" else out.path / args.ptd
     index = assemble.read_data_file(ptd)
     result["ptd"] = {"file_mib": ptd.stat().st_size / 2**20,
                      "entries": {e.key: {"offset": e.offset, "mib": e.size / 2**20} for e in index},
@@ -187,25 +195,26 @@ def cmd_check(args) -> int:
     say(f"{ptd.name}: {json.dumps(result['ptd'])}")
 
     promote_libtorch_global()
-    files = extract_once(pte, index, methods, out / "check")
-    io_spec = json.loads((out / "io_spec.json").read_text())
+    files = extract_once(pte, index, methods, out.path / "check")
+    io_spec = out.read_io_spec()
     sizes = io_spec.get("example_sizes", {})
-    device = "cuda"
-    torch.cuda.empty_cache()
-    free0 = _free_mib()
+    device = args.device
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    free0 = _free_mib(device)
     runners = {}
     for m in methods:
-        runners[m] = torch._C._aoti.AOTIModelContainerRunnerCuda(str(files[m]["so"]), 1, device)
+        runners[m] = _runner(files[m]["so"], device)
         runners[m].update_constant_buffer_from_blob(str(files[m]["weights"]))
-        result["memory_mib"][f"after loading {m} (1.2: own copy)"] = free0 - _free_mib()
+        result["memory_mib"][f"after loading {m} (1.2: own copy)"] = free0 - _free_mib(device)
     say(f"device memory taken, each method loading its own blob: {result['memory_mib']}")
 
     def compare(m: str, runner) -> Dict[str, Any]:
         specs = [InputSpec(**d) for d in io_spec["methods"][m]["inputs"]]
         used = {d: sizes[d] for s in specs for d in s.shape if isinstance(d, str)}
         inputs = [t.to(device) for t in draw_inputs(specs, used, 0, m)]
-        order = json.loads((out / lowering.SO_DIR / f"{m}.io.json").read_text())
-        eager = torch.export.load(out / f"rewritten.{m}.pt2").module().to(device)
+        order = out.io_order(m)
+        eager = out.load_program("rewritten", m).module().to(device)
         with torch.no_grad():
             want = eager(*inputs)
             want = list(want) if isinstance(want, (tuple, list)) else [want]
@@ -220,15 +229,15 @@ def cmd_check(args) -> int:
     first = methods[0]
     by_fqn = runners[first].extract_constants_map(False)
     for m in methods[1:]:
-        free_before = _free_mib()
-        shared = torch._C._aoti.AOTIModelContainerRunnerCuda(str(files[m]["so"]), 1, device)
+        free_before = _free_mib(device)
+        shared = _runner(files[m]["so"], device)
         names = shared.get_constant_names_to_original_fqns()
         missing = sorted(fqn for fqn in names.values() if fqn not in by_fqn)
         if missing:
             result["outputs"][f"{m} (1.3 sharing)"] = f"not shareable: {len(missing)} constants not in {first}"
             continue
         shared.update_constant_buffer({name: by_fqn[fqn] for name, fqn in names.items()}, False, False, True)
-        result["memory_mib"][f"{m} on {first}'s weights (1.3 sharing)"] = free_before - _free_mib()
+        result["memory_mib"][f"{m} on {first}'s weights (1.3 sharing)"] = free_before - _free_mib(device)
         result["outputs"][f"{m} (1.3 sharing)"] = compare(m, shared)
     say(f"outputs: {json.dumps(result['outputs'], indent=1)}")
     say(f"memory: {json.dumps(result['memory_mib'], indent=1)}")
@@ -238,7 +247,7 @@ def cmd_check(args) -> int:
         verified = verify_artifact(out, recipe, raise_on_failure=False, try_executorch=False)
         result["verification"] = {"ok": verified.ok, "table": verified.table()}
         say(f"zoo verification: {'PASS' if verified.ok else 'FAIL'}\n{verified.table()}")
-    atomic.write_json(out / "check.json", result)
+    atomic.write_json(out.path / "check.json", result)
     return 0
 
 
@@ -252,8 +261,8 @@ def cmd_export_real(args) -> int:
 
     from zoo import exporting, pipeline
 
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = RunFolder(Path(args.out).resolve())
+    out.path.mkdir(parents=True, exist_ok=True)
     spec = brs.parse_unit(f"lingbot_va:{args.methods}" if args.methods else "lingbot_va")
     recipe = brs.unit_recipe(spec, tiny=False)
     if spec.methods:
@@ -262,13 +271,13 @@ def cmd_export_real(args) -> int:
     with tempfile.TemporaryDirectory(prefix="zoo-shared-build-") as work:
         unit = brs.build_unit(spec, recipe, Path(work))
     say(f"built in {time.perf_counter() - start:.1f} s")
-    atomic.write_text(out / "recipe.yaml", recipe.to_yaml())
-    atomic.write_json(out / "io_spec.json", pipeline.io_spec(unit, recipe))
+    out.write_recipe(recipe)
+    out.write_io_spec(pipeline.io_spec(unit, recipe))
     sizes = exporting.example_sizes(recipe)
     for m in recipe.unit.methods:
         t = time.perf_counter()
         program = pipeline.apply_rewrites(exporting.export_method(unit.methods[m], recipe, sizes), recipe, m)[0]
-        pipeline.save_program(program, out / f"rewritten.{m}.pt2")
+        out.save_program(program, "rewritten", m)
         say(f"{m}: exported, rewritten and saved in {time.perf_counter() - t:.1f} s")
     return 0
 
@@ -288,6 +297,9 @@ def main(argv: List[str] = None) -> int:
     p = sub.add_parser("check")
     p.add_argument("out")
     p.add_argument("--verify", action="store_true")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cpu: a dry run on a lowering made with the CPU probe (no memory figures)")
+    p.add_argument("--ptd", default="aoti_cpu_blob.ptd", help="with --device cpu: the probe's .ptd name")
     p = sub.add_parser("export-real")
     p.add_argument("out")
     p.add_argument("--methods", default="")

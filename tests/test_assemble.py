@@ -15,7 +15,7 @@ from torch import nn
 from zoo import assemble
 from zoo.assemble import DataEntry, ProgramPart
 from zoo.errors import LoweringError
-from zoo.flatc import ensure_flatc
+from zoo.artifact import ensure_flatc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from portable_lowering import lower_program  # noqa: E402

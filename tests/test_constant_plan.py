@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from zoo import constant_plan, lowering, lowering_workers
+from zoo import artifact, constant_plan, lowering_workers
 from zoo.aoti_runner import promote_libtorch_global
 from zoo.errors import LoweringError
 
@@ -136,7 +136,7 @@ def lowered(tmp_path_factory):
     assembled, parts = lowering_workers.lower_and_assemble(
         jobs, "aoti_cpu_probe:lower_probe", root / "work", root / "out", max_workers=2,
         env={"PYTHONPATH": str(FIXTURES)}, say=lambda line: None)
-    files = lowering.extract_method_files(assembled.pte, root / "out" / PTD_NAME, root / "out" / "so")
+    files = artifact.extract_method_files(assembled.pte, root / "out" / PTD_NAME, root / "out" / "so")
     return {"plan": plan, "assembled": assembled, "parts": parts, "files": files}
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from .errors import LoweringError
-from .flatc import ensure_flatc
+from .artifact import ensure_flatc
 
 _COPY_CHUNK = 64 << 20
 DEFAULT_SEGMENT_ALIGNMENT = 128  # ExecutorchBackendConfig.segment_alignment and FlatTensorConfig's default

@@ -39,7 +39,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from .errors import LoweringError
-from .rewrites._graph import state_tensor, state_writer
+from .rewrites.graph import state_tensor, state_writer
 
 _STATE_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
                 InputKind.CONSTANT_TENSOR: "constant"}

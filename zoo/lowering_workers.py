@@ -2,9 +2,9 @@
 
 Why processes: lowering a real-size method is one Python thread for six to eight minutes (Inductor's scheduler,
 codegen and autotuning; see ../shared/notes/real-size.md), and the methods of a unit are independent until the
-last step. Each method is lowered by ``python -m zoo.lowering_workers JOB`` in its own process, so methods run
-side by side on a many-core machine and no compile state (Inductor caches, GPU memory, patched settings) passes
-from one method to the next. The parent then merges the single-method programs with ``zoo.assemble``.
+last step. Each method is lowered by ``zoo.lowering_workers.main`` with its job file, in its own process, so
+methods run side by side on a many-core machine and no compile state (Inductor caches, GPU memory, patched
+settings) passes from one method to the next. The parent then merges the single-method programs with ``zoo.assemble``.
 
 The lowering of one method is injected by name, ``"package.module:function"``, called in the worker as::
 
@@ -35,11 +35,15 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import atomic, errors
+from .artifact import ensure_flatc
 from .assemble import AssembledProgram, ProgramPart, assemble_program
 from .errors import LoweringError
 from .progress import say as default_say
 
 ENV_MAX_WORKERS = "ZOO_LOWERING_WORKERS"
+# The worker's command line. Not ``python -m zoo.lowering_workers``: that would run a second copy of this module
+# named __main__, whose LoweredMethod is another class than the one the lowering function returns.
+_WORKER_ENTRY = "import sys; from zoo.lowering_workers import main; sys.exit(main())"
 _LOG_TAIL_LINES = 25
 _STOP_GRACE_S = 10.0
 
@@ -219,7 +223,7 @@ def _start(job: MethodJob, function: str, work_dir: Path, env: Dict[str, str]) -
     with open(log, "wb") as log_fh:
         # Its own session: the worker and everything it starts (compile subprocesses) are one process group,
         # stopped together if another method fails.
-        process = subprocess.Popen([sys.executable, "-m", "zoo.lowering_workers", str(job_path)],
+        process = subprocess.Popen([sys.executable, "-c", _WORKER_ENTRY, str(job_path)],
                                    stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    env=env, start_new_session=True)
     return _Running(job=job, folder=folder, log=log, process=process, started=time.monotonic())
@@ -292,8 +296,6 @@ def run_worker(job_path: Path) -> int:
     try:
         import torch
 
-        from .flatc import ensure_flatc
-
         ensure_flatc()
         function = resolve_function(job["function"])
         program = torch.export.load(job["program"])
@@ -322,15 +324,9 @@ def run_worker(job_path: Path) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m zoo.lowering_workers JOB.json (started by zoo.lowering_workers.lower_in_workers)",
-              file=sys.stderr)
+        print("usage: python -c 'import sys; from zoo.lowering_workers import main; sys.exit(main())' JOB.json "
+              "(started by zoo.lowering_workers.lower_in_workers)", file=sys.stderr)
         return 2
     return run_worker(Path(args[0]))
 
 
-if __name__ == "__main__":
-    # Run as zoo.lowering_workers, not __main__: the lowering function returns zoo.lowering_workers.LoweredMethod,
-    # and a second copy of this module under the name __main__ would have its own, different class.
-    from zoo.lowering_workers import main as _main
-
-    sys.exit(_main())
