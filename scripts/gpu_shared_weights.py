@@ -168,7 +168,7 @@ def extract_once(pte: Path, index, methods: List[str], folder: Path) -> Dict[str
         entry = by_key[m + artifact.WEIGHTS_SUFFIX]
         where = (entry.offset, entry.size)
         if where not in written:
-            written[where] = folder / f"{m}.weights.blob"
+            written[where] = folder / artifact.weights_file_name(m)
             with open(written[where], "wb") as dst:
                 for chunk in assemble.entry_chunks(entry):
                     dst.write(chunk)

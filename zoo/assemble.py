@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from .errors import LoweringError
-from .artifact import ensure_flatc
+from .artifact import PTE_NAME, ensure_flatc
 
 _COPY_CHUNK = 64 << 20
 DEFAULT_SEGMENT_ALIGNMENT = 128  # ExecutorchBackendConfig.segment_alignment and FlatTensorConfig's default
@@ -340,7 +340,7 @@ def merge_data_entries(parts: Sequence[Tuple[str, List[DataEntry]]]) -> List[Dat
 # --- both, atomically ------------------------------------------------------------------------------------------
 
 
-def assemble_program(parts: Sequence[ProgramPart], out_dir: Path, *, pte_name: str = "model.pte",
+def assemble_program(parts: Sequence[ProgramPart], out_dir: Path, *, pte_name: str = PTE_NAME,
                      segment_alignment: int = DEFAULT_SEGMENT_ALIGNMENT) -> AssembledProgram:
     """Merge ``parts`` into ``out_dir/pte_name`` plus one ``.ptd`` per data file name, atomically.
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from . import atomic, errors
-from .artifact import ensure_flatc
+from .artifact import PTE_NAME, ensure_flatc
 from .assemble import AssembledProgram, ProgramPart, assemble_program
 from .errors import LoweringError
 from .progress import say as default_say
@@ -183,7 +183,7 @@ def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
 
 
 def lower_and_assemble(jobs: Sequence[MethodJob], function: str, work_dir: Path, out_dir: Path, *,
-                       pte_name: str = "model.pte", **worker_options: Any
+                       pte_name: str = PTE_NAME, **worker_options: Any
                        ) -> Tuple[AssembledProgram, Dict[str, MethodPart]]:
     """``lower_in_workers`` then ``zoo.assemble.assemble_program`` of the parts into ``out_dir`` (atomically)."""
     parts = lower_in_workers(jobs, function, work_dir, **worker_options)
