@@ -55,3 +55,17 @@ class VerificationFailed(ZooError):
 
 class PublishRefused(ZooError):
     """zoo refuses to publish: unverified run, hash mismatch, no token, no write access."""
+
+
+class TensorFileError(ZooError):
+    """A tensor file exchanged with the C++ runner is missing, cut short or not in zoo's format."""
+
+
+class RuntimeNotBuilt(ZooError):
+    """zoo_runner (ExecuTorch's C++ runtime with zoo's runner) is not built, or not built for the job."""
+
+
+class RuntimeCallFailed(ZooError):
+    """ExecuTorch's C++ runtime could not load the artifact or a call failed; its log says why."""
+
+    exit_code = 3
