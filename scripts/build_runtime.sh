@@ -10,8 +10,12 @@
 # A second call with the same source, flags and tools reuses OUT_DIR (configure skipped, ninja finds nothing to do).
 # --cpu (or ZOO_RUNTIME_CUDA=OFF): without the CUDA backend, the portable runtime only (for a CPU machine).
 # Environment: ZOO_RUNTIME_CUDA (ON/OFF, default ON), PYTHON (the Python whose torch the CUDA backend's configure
-#   finds, default python3), CMAKE (default cmake), JOBS (default nproc).
+#   finds, default python3), CMAKE (default cmake), JOBS (default nproc), ZOO_CMAKE_ARGS (extra CMake arguments,
+#   e.g. -DCMAKE_CUDA_ARCHITECTURES=87 on a Jetson Orin).
 set -euo pipefail
+# The whole script is one function, parsed before it runs: editing this file while a build runs cannot change
+# what the running build does next.
+main() {
 
 usage() { echo "usage: scripts/build_runtime.sh SRC OUT_DIR [--cpu] [--jobs N]   (SRC: ExecuTorch source tarball or tree)" >&2; exit 2; }
 [ $# -ge 2 ] || usage
@@ -84,16 +88,19 @@ CMAKE_VERSION="$("$CMAKE" --version | head -1 | awk '{print $3}')"
 CXX_VERSION="$( (${CXX:-c++} --version 2>/dev/null || true) | head -1)"
 NVCC_VERSION="none"
 [ "$CUDA" = ON ] && NVCC_VERSION="$(nvcc --version | grep -o 'release [0-9.]*, V[0-9.]*' | head -1)"
-TORCH_VERSION="$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)"
+TORCH_VERSION="$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || echo none)"
 if [ "$CUDA" = ON ] && [ "$TORCH_VERSION" = none ]; then
   echo "[build_runtime] $PY cannot import torch; ExecuTorch's CUDA backend configure needs it (set PYTHON)" >&2
   exit 2
 fi
-CMAKELISTS_HASH="$(sha256sum "$RUNNER_SRC/CMakeLists.txt" | cut -d' ' -f1)"
 CMAKE_FLAGS=(-G Ninja -DCMAKE_BUILD_TYPE=Release "-DEXECUTORCH_SOURCE_DIR=$ET_DIR" "-DZOO_RUNTIME_CUDA=$CUDA"
              "-DPYTHON_EXECUTABLE=$PY")
+# shellcheck disable=SC2206
+[ -n "${ZOO_CMAKE_ARGS:-}" ] && CMAKE_FLAGS+=(${ZOO_CMAKE_ARGS})
+# What CMake does not track itself. (A changed runtime/cpp source or CMakeLists is rebuilt by ninja, which re-runs
+# CMake when a CMakeLists changes.)
 KEY="$(printf '%s\n' "$SRC_HASH" "$CUDA" "${CMAKE_FLAGS[*]}" "$CMAKE_VERSION" "$CXX_VERSION" "$NVCC_VERSION" \
-       "$TORCH_VERSION" "$CMAKELISTS_HASH" "$RUNNER_SRC" | sha256sum | cut -d' ' -f1)"
+       "$TORCH_VERSION" "$RUNNER_SRC" | sha256sum | cut -d' ' -f1)"
 
 reused=false
 if [ -f "$STAMP" ] && [ -x "$BUILD/zoo_runner" ] \
@@ -151,3 +158,6 @@ fi
 printf '[build_runtime] %s in %.1f s (configure %.1f s, build %.1f s); log %s\n' \
   "$([ "$reused" = true ] && echo reused || echo built)" "$total_s" "$configure_s" "$build_s" "$LOG" >&2
 echo "$BUILD/zoo_runner"
+}
+
+main "$@"; exit $?  # on one line: bash has read the exit before main runs
