@@ -11,7 +11,8 @@
 # --cpu (or ZOO_RUNTIME_CUDA=OFF): without the CUDA backend, the portable runtime only (for a CPU machine).
 # Environment: ZOO_RUNTIME_CUDA (ON/OFF, default ON), PYTHON (the Python whose torch the CUDA backend's configure
 #   finds, default python3), CMAKE (default cmake), JOBS (default nproc), ZOO_CMAKE_ARGS (extra CMake arguments,
-#   e.g. -DCMAKE_CUDA_ARCHITECTURES=87 on a Jetson Orin).
+#   e.g. -DCMAKE_CUDA_ARCHITECTURES=87 on a Jetson Orin), CUDA_HOME (the toolkit; default: from the nvcc on PATH,
+#   else /usr/local/cuda), TORCH_CUDA_ARCH_LIST (default: the visible GPU's, from nvidia-smi; required without one).
 set -euo pipefail
 # The whole script is one function, parsed before it runs: editing this file while a build runs cannot change
 # what the running build does next.
@@ -87,7 +88,33 @@ ET_VERSION="$(tr -d '[:space:]' < "$ET_DIR/version.txt")"
 CMAKE_VERSION="$("$CMAKE" --version | head -1 | awk '{print $3}')"
 CXX_VERSION="$( (${CXX:-c++} --version 2>/dev/null || true) | head -1)"
 NVCC_VERSION="none"
-[ "$CUDA" = ON ] && NVCC_VERSION="$(nvcc --version | grep -o 'release [0-9.]*, V[0-9.]*' | head -1)"
+CUDA_ROOT=""
+if [ "$CUDA" = ON ]; then
+  # One toolkit for everything: CMake's CUDA language, FindCUDAToolkit, and the legacy FindCUDA that torch's CMake
+  # config still calls (which derives the root from the nvcc on PATH and fails when that nvcc is a wrapper script).
+  CUDA_ROOT="${CUDA_HOME:-${CUDA_PATH:-}}"
+  if [ -z "$CUDA_ROOT" ]; then
+    for cand in "$(dirname "$(command -v nvcc)")/.." /usr/local/cuda; do
+      if [ -f "$cand/include/cuda_runtime.h" ] && [ -x "$cand/bin/nvcc" ]; then CUDA_ROOT="$(cd "$cand" && pwd)"; break; fi
+    done
+  fi
+  if [ -z "$CUDA_ROOT" ] || [ ! -x "$CUDA_ROOT/bin/nvcc" ] || [ ! -f "$CUDA_ROOT/include/cuda_runtime.h" ]; then
+    echo "[build_runtime] cannot find the CUDA toolkit (bin/nvcc and include/cuda_runtime.h); set CUDA_HOME" >&2
+    exit 2
+  fi
+  NVCC_VERSION="$("$CUDA_ROOT/bin/nvcc" --version | grep -o 'release [0-9.]*, V[0-9.]*' | head -1)"
+  # torch's CMake config adds -gencode flags for TORCH_CUDA_ARCH_LIST to every CUDA compile (the backend's one .cu);
+  # left to guess without a GPU it lists compute_50, which CUDA 13's nvcc refuses, and the build fails late.
+  if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+    TORCH_CUDA_ARCH_LIST="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d ' ' || true)"
+    if [ -z "$TORCH_CUDA_ARCH_LIST" ]; then
+      echo "[build_runtime] no GPU visible to read the architecture from: set TORCH_CUDA_ARCH_LIST (9.0 for H100/H200," \
+           "8.0 for A100, 8.7 for Jetson Orin)" >&2
+      exit 2
+    fi
+  fi
+  export TORCH_CUDA_ARCH_LIST
+fi
 TORCH_VERSION="$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || echo none)"
 if [ "$CUDA" = ON ] && [ "$TORCH_VERSION" = none ]; then
   echo "[build_runtime] $PY cannot import torch; ExecuTorch's CUDA backend configure needs it (set PYTHON)" >&2
@@ -95,12 +122,14 @@ if [ "$CUDA" = ON ] && [ "$TORCH_VERSION" = none ]; then
 fi
 CMAKE_FLAGS=(-G Ninja -DCMAKE_BUILD_TYPE=Release "-DEXECUTORCH_SOURCE_DIR=$ET_DIR" "-DZOO_RUNTIME_CUDA=$CUDA"
              "-DPYTHON_EXECUTABLE=$PY")
+[ -n "$CUDA_ROOT" ] && CMAKE_FLAGS+=("-DCUDAToolkit_ROOT=$CUDA_ROOT" "-DCUDA_TOOLKIT_ROOT_DIR=$CUDA_ROOT"
+                                     "-DCMAKE_CUDA_COMPILER=$CUDA_ROOT/bin/nvcc")
 # shellcheck disable=SC2206
 [ -n "${ZOO_CMAKE_ARGS:-}" ] && CMAKE_FLAGS+=(${ZOO_CMAKE_ARGS})
 # What CMake does not track itself. (A changed runtime/cpp source or CMakeLists is rebuilt by ninja, which re-runs
 # CMake when a CMakeLists changes.)
 KEY="$(printf '%s\n' "$SRC_HASH" "$CUDA" "${CMAKE_FLAGS[*]}" "$CMAKE_VERSION" "$CXX_VERSION" "$NVCC_VERSION" \
-       "$TORCH_VERSION" "$RUNNER_SRC" | sha256sum | cut -d' ' -f1)"
+       "$TORCH_VERSION" "${TORCH_CUDA_ARCH_LIST:-}" "$RUNNER_SRC" | sha256sum | cut -d' ' -f1)"
 
 reused=false
 if [ -f "$STAMP" ] && [ -x "$BUILD/zoo_runner" ] \
@@ -140,13 +169,14 @@ fi
 if [ "$reused" = false ]; then
   KEY="$KEY" SRC="$SRC" SRC_HASH="$SRC_HASH" ET_VERSION="$ET_VERSION" CUDA="$CUDA" FLAGS="${CMAKE_FLAGS[*]}" \
   JOBS="$JOBS" CMAKE_VERSION="$CMAKE_VERSION" CXX_VERSION="$CXX_VERSION" NVCC_VERSION="$NVCC_VERSION" \
-  TORCH_VERSION="$TORCH_VERSION" CONFIGURE_S="$configure_s" BUILD_S="$build_s" TOTAL_S="$total_s" \
+  TORCH_VERSION="$TORCH_VERSION" ARCHS="${TORCH_CUDA_ARCH_LIST:-}" CONFIGURE_S="$configure_s" BUILD_S="$build_s" TOTAL_S="$total_s" \
   STEPS="${steps:-0}" RUNNER="$BUILD/zoo_runner" INFO="$INFO" "$PY" - "$STAMP" <<'EOF'
 import json, os, sys
 e = os.environ
 stamp = {"key": e["KEY"], "source": e["SRC"], "source_hash": e["SRC_HASH"], "executorch_version": e["ET_VERSION"],
          "cuda": e["CUDA"] == "ON", "cmake_flags": e["FLAGS"].split(" "), "jobs": int(e["JOBS"]),
          "cmake": e["CMAKE_VERSION"], "cxx": e["CXX_VERSION"], "nvcc": e["NVCC_VERSION"], "torch": e["TORCH_VERSION"],
+         "torch_cuda_arch_list": e["ARCHS"],
          "configure_seconds": float(e["CONFIGURE_S"]), "build_seconds": float(e["BUILD_S"]),
          "seconds": float(e["TOTAL_S"]), "ninja_steps": int(e["STEPS"]), "runner": e["RUNNER"],
          "runner_info": json.loads(e["INFO"])}

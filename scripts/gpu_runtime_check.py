@@ -139,7 +139,8 @@ def audit_agreement(run_dir: Path, runner: Path, ran: bool) -> Dict[str, Any]:
 # --- LingBot-VA: the KV pool through the host over a sequence ----------------------------------------------------------
 
 
-def pool_sequence(run_dir: Path, recipe, runner: Path, steps: int) -> Dict[str, Any]:
+def pool_sequence(run_dir: Path, recipe, runner: Path, steps: int, device: str = "cuda",
+                  require_cuda: bool = True) -> Dict[str, Any]:
     """video_step/action_step alternating, each call's ``X_next`` outputs fed to the next call's ``X`` inputs,
     in one zoo_runner process; the exported programs run eagerly with the same feeding are the reference."""
     io_spec = json.loads((run_dir / "io_spec.json").read_text())
@@ -169,14 +170,14 @@ def pool_sequence(run_dir: Path, recipe, runner: Path, steps: int) -> Dict[str, 
             inputs[i] = torch.zeros_like(drawn[s][i]) if s == 0 else (s - 1, source(s, i))
         plan.append((m, inputs))
     result = et_runtime.run_plan(run_dir / PTE_NAME, run_dir / PTD_NAME if (run_dir / PTD_NAME).exists() else None,
-                                 plan, executable=runner)
+                                 plan, executable=runner, require_cuda=require_cuda)
 
     def eager_chain(kind: str, cast) -> List[List[torch.Tensor]]:
-        modules = {m: verify._eager_module(run_dir / f"{kind}.{m}.pt2", "cuda") for m in methods}
+        modules = {m: verify._eager_module(run_dir / f"{kind}.{m}.pt2", device) for m in methods}
         outs: List[List[torch.Tensor]] = []
         with torch.no_grad(), verify.full_fp32_precision():
             for s, m in enumerate(order):
-                inputs = [cast(t).cuda() for t in drawn[s]]
+                inputs = [cast(t).to(device) for t in drawn[s]]
                 for i in stateful[m]:
                     inputs[i] = torch.zeros_like(inputs[i]) if s == 0 else outs[-1][source(s, i)]
                 outs.append(verify._flat_tensors(modules[m](*inputs)))
@@ -186,7 +187,7 @@ def pool_sequence(run_dir: Path, recipe, runner: Path, steps: int) -> Dict[str, 
     want32 = eager_chain("reference_fp32", verify._to_fp32) if low else None
     rows = []
     for s, m in enumerate(order):
-        got = [t.cuda() for t in result.outputs[s] if t is not None]
+        got = [t.to(device) for t in result.outputs[s] if t is not None]
         judged = verify.compare_outputs(outputs[m], got, want[s], recipe.verify.tolerance,
                                         ref_fp32=want32[s] if want32 else None)
         for c, bound, facts in judged:
