@@ -19,6 +19,7 @@ passed, 1 when one failed (a failure to load counts: it is a finding), 2 for bad
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import subprocess
@@ -26,7 +27,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -57,38 +58,33 @@ def build_runner(src: str, build_dir: Path) -> Dict[str, Any]:
 # --- both runners through verification's own loop ----------------------------------------------------------------------
 
 
-class _MethodOrderAdapter:
-    """Interim, until verify.py takes a per-runtime caller: verify_artifact feeds runners in the .so's order, the
-    ExecuTorch runtime takes the method's order. This puts the inputs back in the method's order and the outputs
-    in the .so's, so verification's loop (seeds, sizes, inputs, references, tolerances) runs unchanged."""
+@contextlib.contextmanager
+def _method_order_runners(device: str) -> Iterator[None]:
+    """Interim, until verify.py takes a caller per runtime: verification feeds every runner in the .so's order
+    (``run_in_delegate_order``); a runner whose ``order`` is "method" (zoo.et_runtime.MethodRunner: the runtime
+    reorders for the .so itself) gets the method's inputs as they are, all of them, and its outputs as they come.
+    Everything else in verification's loop (seeds, sizes, inputs, references, tolerances) runs unchanged."""
+    original = verify.run_in_delegate_order
 
-    def __init__(self, session: et_runtime.RuntimeSession, method: str, order: Dict[str, Any]):
-        self.session, self.method, self.order = session, method, order
+    def run(runner, order, inputs):
+        if getattr(runner, "order", None) == "method":
+            return [t.to(device) for t in runner.run(list(inputs))]
+        return original(runner, order, inputs)
 
-    def run(self, so_inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        inputs: List[Optional[torch.Tensor]] = [None] * len(so_inputs)
-        for k, i in enumerate(self.order["input_order"]):
-            inputs[i] = so_inputs[k]
-        outs = self.session.call(self.method, inputs)  # type: ignore[arg-type]
-        device = so_inputs[0].device if so_inputs else "cuda"
-        outs = [t.to(device) for t in outs]
-        output_order = self.order["output_order"]
-        if sorted(output_order) != list(range(len(outs))):
-            return outs  # a count mismatch: verification reports it as such
-        so_outs: List[Optional[torch.Tensor]] = [None] * len(outs)
-        for j, k in enumerate(output_order):
-            so_outs[k] = outs[j]
-        return so_outs  # type: ignore[return-value]
+    verify.run_in_delegate_order = run
+    try:
+        yield
+    finally:
+        verify.run_in_delegate_order = original
 
 
-def verify_both(run_dir: Path, recipe, runner: Path) -> Dict[str, Any]:
+def verify_both(run_dir: Path, recipe, runner: Path, device: str = "cuda") -> Dict[str, Any]:
     out: Dict[str, Any] = {"run": str(run_dir), "recipe": recipe.name}
     try:
         aoti = verify.verify_artifact(run_dir, recipe, raise_on_failure=False, try_executorch=False)
         out["aoti_rows"] = [r.__dict__ for r in aoti.rows]
     except ZooError as exc:
         out["aoti_error"] = str(exc)
-    orders = {m: load_io_order(run_dir, m) for m in recipe.unit.methods}
     ptd = run_dir / PTD_NAME
     try:
         with et_runtime.RuntimeSession(run_dir / PTE_NAME, ptd if ptd.exists() else None, executable=runner,
@@ -98,11 +94,9 @@ def verify_both(run_dir: Path, recipe, runner: Path) -> Dict[str, Any]:
                                       ("load_ms", "gpu_loaded_mib", "gpu_used_mib_after_load", "gpu",
                                        "weight_sharing_across_methods")}
 
-            def factory(method, so, weights, device):
-                return _MethodOrderAdapter(session, method, orders[method])
-
-            et = verify.verify_artifact(run_dir, recipe, runner_factory=factory, raise_on_failure=False,
-                                        try_executorch=False)
+            with _method_order_runners(device):
+                et = verify.verify_artifact(run_dir, recipe, raise_on_failure=False, try_executorch=False,
+                                            runner_factory=lambda method, so, weights, device: session.runner(method))
             for r in et.rows:
                 r.runtime = "executorch"
             out["executorch_rows"] = [r.__dict__ for r in et.rows]

@@ -195,6 +195,15 @@ def test_a_program_that_does_not_load_is_a_clear_failure(run_dir, fake_runner, m
     assert "forward_so_blob" in str(info.value)  # the runtime's own log line is in the message
 
 
+def test_a_runner_that_dies_while_loading_leaves_nothing_behind(run_dir, fake_runner, monkeypatch, tmp_path):
+    monkeypatch.setenv("FAKE_ZOO_RUNNER_MODE", "abort-on-load")
+    monkeypatch.setattr(et_runtime.tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(RuntimeCallFailed, match="died while loading the program .killed by signal 6") as info:
+        et_runtime.RuntimeSession(run_dir / "model.pte", executable=fake_runner)
+    assert "undefined symbol: aoti_torch_dtype_float64" in str(info.value)
+    assert not list(tmp_path.glob("zoo-et-*"))
+
+
 def test_a_runner_that_aborts_mid_call_is_reported_with_its_log(run_dir, fake_runner, monkeypatch):
     monkeypatch.setenv("FAKE_ZOO_RUNNER_MODE", "abort-on-call")
     session = et_runtime.RuntimeSession(run_dir / "model.pte", executable=fake_runner)

@@ -148,7 +148,11 @@ class RuntimeSession:
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                       bufsize=0)
         self._buffer = b""
-        self.ready = self._read_reply("loading the program")
+        try:
+            self.ready = self._read_reply("loading the program")
+        except RuntimeCallFailed:
+            self.close()  # a runner that died while loading leaves no process, log handle or files behind
+            raise
         if not self.ready.get("ready"):
             self._fail("loading the program", self.ready)
 
@@ -246,6 +250,11 @@ class RuntimeSession:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+        if not self._proc.stdin.closed:
+            try:
+                self._proc.stdin.close()
+            except BrokenPipeError:
+                pass
         if not self._proc.stdout.closed:
             self._buffer += self._proc.stdout.read() or b""  # the summary line; the process has exited
             self._proc.stdout.close()
