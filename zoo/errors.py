@@ -57,6 +57,20 @@ class PublishRefused(ZooError):
     """zoo refuses to publish: unverified run, hash mismatch, no token, no write access."""
 
 
+class TensorFileError(ZooError):
+    """A tensor file exchanged with the C++ runner is missing, cut short or not in zoo's format."""
+
+
+class RuntimeNotBuilt(ZooError):
+    """zoo_runner (ExecuTorch's C++ runtime with zoo's runner) is not built, or not built for the job."""
+
+
+class RuntimeCallFailed(ZooError):
+    """ExecuTorch's C++ runtime could not load the artifact or a call failed; its log says why."""
+
+    exit_code = 3
+
+
 def first_line(error: Union[BaseException, str], limit: Optional[int] = None) -> str:
     """The first line of an error's message (a ``ZooError``'s message, without its hint), for a table cell or a
     one-line report entry; the error's type name when it says nothing. ``limit`` cuts longer lines with "..."."""

@@ -1,0 +1,193 @@
+"""The real zoo_runner binary (runtime/cpp), on the CPU, over a program with portable kernels only.
+
+Runs where a runner is built and named by $ZOO_ET_RUNNER (a portable build from `scripts/build_runtime.sh SRC
+OUT --cpu` is enough; a CUDA build runs portable programs too); skipped otherwise. The program is exported
+here with plain ``to_edge(...).to_executorch()`` and its weights as external constants, so the runner loads a
+``.pte`` and a ``.ptd`` as it does for a CUDA artifact. The reference is the eager module.
+Checked: single-call mode (outputs and the timing summary), the session over a pipe, a plan that feeds
+outputs into later calls inside the runner, the build facts (--info), and the runner's own refusals: a wrong
+input dtype or count, a foreign tensor file, a missing .ptd.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from zoo import et_runtime
+from zoo.errors import RuntimeCallFailed
+from zoo.tensor_file import read_tensor, write_tensor
+
+RUNNER = os.environ.get(et_runtime.RUNNER_ENV)
+pytestmark = pytest.mark.skipif(not RUNNER or not Path(RUNNER).is_file(),
+                                reason=f"no built zoo_runner (set {et_runtime.RUNNER_ENV}; scripts/build_runtime.sh)")
+
+
+class Gather(nn.Module):
+    """float32 weights (external constants -> .ptd), int64 indices and a bool mask, in that order."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x, idx, mask):
+        return self.lin(x[idx]) * mask.unsqueeze(-1).to(x.dtype), idx * 2
+
+
+class PoolWrite(nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, values, slots, pool):
+        new = pool.index_copy(0, slots, values * self.scale)
+        return new.sum(1), new
+
+
+MODULES = {"gather": Gather().eval(), "video_step": PoolWrite(1.0), "action_step": PoolWrite(-2.0)}
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory):
+    from executorch.exir import ExecutorchBackendConfig, to_edge
+
+    from zoo.lowering import ensure_flatc
+
+    ensure_flatc()  # writing a .pte needs flatc
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("program")
+    examples = {"gather": (torch.randn(5, 4), torch.tensor([0, 3, 1]), torch.tensor([True, False, True])),
+                "video_step": (torch.randn(2, 4), torch.tensor([1, 3]), torch.zeros(5, 4))}
+    examples["action_step"] = examples["video_step"]
+    eps = {m: torch.export.export(MODULES[m], examples[m]) for m in MODULES}
+    prog = to_edge(eps).to_executorch(ExecutorchBackendConfig(external_constants=True))
+    (d / "model.pte").write_bytes(prog.buffer)
+    prog.write_tensor_data_to_file(str(d))
+    ptds = list(d.glob("*.ptd"))
+    assert len(ptds) == 1, "the weights should have gone to one .ptd"
+    return d / "model.pte", ptds[0]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([RUNNER, *args], capture_output=True, text=True, timeout=300)
+
+
+def summary(proc: subprocess.CompletedProcess) -> dict:
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def gather_inputs(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(5, 4, generator=g), torch.randint(0, 5, (3,), generator=g), torch.rand(3, generator=g) > 0.4]
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    # portable kernels and ATen may round a 4-term dot product differently; relative L2 within float32 eps
+    return got.dtype == want.dtype and got.shape == want.shape and bool(
+        torch.linalg.vector_norm((got - want).double()) <= 1e-6 * torch.linalg.vector_norm(want.double()))
+
+
+def test_info_names_the_build():
+    info = summary(run("--info"))
+    assert info["ok"] and info["executorch_version"].startswith("1.")
+    if info["cuda"]:
+        assert "CudaBackend" in info["backends"]
+    else:
+        assert info["weight_sharing_across_methods"].startswith("not applicable")
+
+
+def test_single_call_mode_writes_outputs_and_times(program, tmp_path):
+    pte, ptd = program
+    inputs = gather_inputs(0)
+    files = [str(write_tensor(tmp_path / f"in{i}.zt", t)) for i, t in enumerate(inputs)]
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = run("--model", str(pte), "--data", str(ptd), "--method", "gather", "--inputs", ",".join(files),
+               "--warmup", "2", "--iters", "5", "--outputs", str(out))
+    s = summary(proc)
+    assert proc.returncode == 0 and s["ok"], proc.stderr
+    want = MODULES["gather"](*inputs)
+    got = [read_tensor(p) for p in s["outputs"]]
+    assert close(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert s["mode"] == "single" and s["iters"] == 5 and 0 < s["min_ms"] <= s["median_ms"] <= s["p90_ms"] <= s["max_ms"]
+    assert s["loaded"] == ["action_step", "gather", "video_step"] and s["load_ms"] > 0
+    assert s["shapes"] == [[3, 3], [3]] and s["dtypes"] == ["float32", "int64"]
+
+
+def test_session_over_the_pipe_matches_eager(program):
+    pte, ptd = program
+    with et_runtime.RuntimeSession(pte, ptd, executable=RUNNER, require_cuda=False) as session:
+        for seed in range(3):
+            inputs = gather_inputs(seed)
+            got, want = session.call("gather", inputs), MODULES["gather"](*inputs)
+            assert close(got[0], want[0]) and torch.equal(got[1], want[1])
+        pool = torch.zeros(5, 4)
+        g = torch.Generator().manual_seed(5)
+        want_pool = pool
+        for step in range(4):
+            m = ("video_step", "action_step")[step % 2]
+            values, slots = torch.randn(2, 4, generator=g), torch.randperm(5, generator=g)[:2]
+            readout, pool = session.call(m, [values, slots, pool])
+            want_readout, want_pool = MODULES[m](values, slots, want_pool)
+            assert close(readout, want_readout) and torch.equal(pool, want_pool)
+
+
+def test_plan_feeds_the_pool_inside_the_runner(program, tmp_path):
+    pte, ptd = program
+    g = torch.Generator().manual_seed(11)
+    steps, want, pool = [], [], torch.zeros(5, 4)
+    for step in range(5):
+        m = ("video_step", "action_step")[step % 2]
+        values, slots = torch.randn(2, 4, generator=g), torch.randperm(5, generator=g)[:2]
+        steps.append((m, [values, slots, torch.zeros(5, 4) if step == 0 else (step - 1, 1)]))
+        readout, pool = MODULES[m](values, slots, pool)
+        want.append((readout, pool))
+    result = et_runtime.run_plan(pte, ptd, steps, executable=RUNNER, require_cuda=False, keep_dir=tmp_path / "plan")
+    assert result.summary["ok"] and result.summary["steps"] == 5 and len(result.step_ms) == 5
+    for (readout, pool), got in zip(want, result.outputs):
+        assert close(got[0], readout) and torch.equal(got[1], pool)
+    assert "@3:1" in (tmp_path / "plan" / "plan.txt").read_text()
+
+
+def test_wrong_input_dtype_is_named_before_the_runtime_sees_it(program, tmp_path):
+    pte, ptd = program
+    x, idx, mask = gather_inputs(0)
+    files = [str(write_tensor(tmp_path / f"in{i}.zt", t)) for i, t in enumerate((x, idx.int(), mask))]
+    proc = run("--model", str(pte), "--data", str(ptd), "--method", "gather", "--inputs", ",".join(files))
+    s = summary(proc)
+    assert proc.returncode == 4 and not s["ok"]
+    assert s["error"] == "method gather: input 1 is int32, the method takes int64"
+    proc = run("--model", str(pte), "--data", str(ptd), "--method", "gather", "--inputs", ",".join(files[:2]))
+    assert proc.returncode == 4 and "takes 3 inputs, 2 were given" in summary(proc)["error"]
+
+
+def test_a_foreign_input_file_is_refused(program, tmp_path):
+    pte, ptd = program
+    bad = tmp_path / "x.pt"
+    torch.save(torch.zeros(5, 4), bad)
+    proc = run("--model", str(pte), "--data", str(ptd), "--method", "gather", "--inputs", f"{bad},{bad},{bad}")
+    assert proc.returncode == 2 and "not a zoo tensor file (wrong magic)" in summary(proc)["error"]
+
+
+def test_a_missing_ptd_fails_to_load_with_the_runtime_saying_why(program):
+    pte, _ = program
+    proc = run("--model", str(pte), "--method", "gather", "--inputs", "unused.zt")
+    s = summary(proc)
+    assert proc.returncode == 3 and s["stage"] == "load" and "cannot load method" in s["error"]
+    assert proc.stderr.strip(), "ExecuTorch's log (compiled in) should say what is missing"
+    with pytest.raises(RuntimeCallFailed, match="cannot load method"):
+        et_runtime.RuntimeSession(pte, None, executable=RUNNER, require_cuda=False)
+
+
+def test_bad_command_lines(program):
+    pte, ptd = program
+    for args, words in ((["--model", str(pte)], "either --method"), (["--frobnicate"], "unknown argument"),
+                        (["--model", str(pte), "--plan", "-", "--inputs", "a.zt"], "--inputs belongs to --method")):
+        proc = run(*args)
+        assert proc.returncode == 2 and words in summary(proc)["error"]
