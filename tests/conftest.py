@@ -220,3 +220,22 @@ def test_recipe():
         return load_recipe(name, overrides, recipes_dir=TEST_RECIPES)
 
     return load
+
+
+# --------------------------------------------------------------------------------------------------------
+# A zoo_runner for CPU tests: tests/fixtures/fake_zoo_runner.py (the runner's command line and file format,
+# running the run folder's exported programs eagerly)
+
+FAKE_ZOO_RUNNER = Path(__file__).resolve().parent / "fixtures" / "fake_zoo_runner.py"
+
+
+@pytest.fixture(scope="session")
+def fake_zoo_runner(tmp_path_factory) -> Path:
+    """An executable wrapper around the fake (the real runner is a binary: the session execs it directly)."""
+    import stat
+    import sys
+
+    path = tmp_path_factory.mktemp("bin") / "zoo_runner"
+    path.write_text(f"#!/bin/sh\nPYTHONPATH='{os.pathsep.join(sys.path)}' exec {sys.executable} {FAKE_ZOO_RUNNER} \"$@\"\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path

@@ -10,11 +10,6 @@ not load and a runner that aborts mid-call each fail with a ZooError saying why;
 
 from __future__ import annotations
 
-import os
-import stat
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
@@ -22,8 +17,6 @@ from torch import nn
 from zoo import et_runtime
 from zoo.errors import RecipeError, RuntimeCallFailed, RuntimeNotBuilt
 from zoo.verify_backends import executorch_caller, select_runtimes
-
-FAKE = Path(__file__).resolve().parent / "fixtures" / "fake_zoo_runner.py"
 
 
 class Gather(nn.Module):
@@ -59,16 +52,9 @@ def run_dir(tmp_path_factory):
     return d
 
 
-def _wrapper(path: Path) -> Path:
-    """An executable wrapper around the fake (the real runner is a binary: the session execs it directly)."""
-    path.write_text(f"#!/bin/sh\nPYTHONPATH='{os.pathsep.join(sys.path)}' exec {sys.executable} {FAKE} \"$@\"\n")
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return path
-
-
 @pytest.fixture(scope="module")
-def fake_runner(tmp_path_factory):
-    return _wrapper(tmp_path_factory.mktemp("bin") / "zoo_runner")
+def fake_runner(fake_zoo_runner):
+    return fake_zoo_runner
 
 
 @pytest.fixture(autouse=True)
@@ -154,11 +140,12 @@ def test_run_plan_feeds_outputs_inside_the_runner(run_dir, fake_runner):
 
 def test_executorch_caller_returns_method_order_outputs_on_the_device(run_dir, fake_runner):
     with executorch_caller(run_dir / "model.pte", run_dir / "absent.ptd", ["gather"], "cpu",
-                           executable=fake_runner) as (status, call):
+                           executable=fake_runner) as (loaded, call):
         inputs = gather_inputs(3)
         got = call("gather", inputs)
         assert torch.equal(got[1], Gather()(*inputs)[1])
-    assert "ExecuTorch runtime fake" in status and "CUDA backend" in status
+    assert "ExecuTorch runtime 1.2.0-fake" in loaded["describe"] and "CUDA backend" in loaded["describe"]
+    assert loaded["load_ms"] == 1.0 and loaded["executorch_version"] == "1.2.0-fake"  # the runner's own figures
 
 
 def test_no_runner_says_how_to_build_one(run_dir, monkeypatch, tmp_path):

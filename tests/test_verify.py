@@ -8,6 +8,10 @@
    verifies, and fails with the order ignored; float32 rotary pairs are measured against complex128 eager;
    a stateful pool keeps its state across calls; a planted mismatch fails `python -m zoo.lower` with exit 3
    and a report that shows where.
+3. The ExecuTorch runtime as a second backend, chosen by the recipe key or the command line, with a fake
+   zoo_runner: both runtimes get the same cases; no runner by default is a note; asked for explicitly without
+   a runner is refused before lowering; wrong numbers exit 3; a load failure the audit predicted is expected,
+   one it did not predict fails and is a finding of the audit.
 """
 
 from __future__ import annotations
@@ -22,10 +26,12 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+import zoo.et_runtime as et_runtime
 import zoo.lowering as lowering
+import zoo.export as export_cli
 import zoo.lower as lower_cli
 import zoo.verify as verify
-from zoo.errors import NoGpuError, VerificationFailed
+from zoo.errors import NoGpuError, RuntimeNotBuilt, VerificationFailed
 from zoo.gpu_steps import saved_programs
 from zoo.policies.base import InputSpec
 from zoo.recipes import Tolerance, load_recipe
@@ -39,6 +45,13 @@ fake_cuda = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake_cuda)
 
 TOL = Tolerance()
+
+
+@pytest.fixture(autouse=True)
+def _no_runner_from_the_environment(monkeypatch):
+    """Which runtimes run depends on $ZOO_ET_RUNNER: each test here sets it, or runs without one."""
+    monkeypatch.delenv(et_runtime.RUNNER_ENV, raising=False)
+    monkeypatch.delenv("FAKE_ZOO_RUNNER_MODE", raising=False)
 
 
 def rel_l2(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -277,8 +290,11 @@ def test_lowered_unit_verifies_with_the_delegate_order(run_folder):
     calls = sorted((r.method, r.seed, r.sizes.get("length")) for r in result.rows)
     assert calls == sorted([("permuted", s, None) for s in (0, 1)] + [("pool", s, None) for s in (0, 1)]
                            + [("rope", s, n) for s in (0, 1) for n in (2, 5, 16)])
-    assert result.executorch_runtime.startswith("ExecuTorch runtime:")
-    assert "verification on cpu" in result.table()
+    # No runner given (ZOO_ET_RUNNER unset here): the default choice notes the ExecuTorch runtime as not run.
+    assert set(result.runtimes) == {"aoti", "executorch"} and {r.runtime for r in result.rows} == {"aoti"}
+    assert result.runtimes["executorch"]["status"] == verify.NOT_RUN
+    assert "scripts/build_runtime.sh" in result.runtimes["executorch"]["why"]
+    assert "verification on cpu" in result.table() and "not run (" in result.table()
 
 
 def test_float32_pairs_error_against_complex128_is_measured(run_folder):
@@ -401,6 +417,165 @@ def test_no_gpu_no_device_is_a_clear_error(run_folder):
         pytest.skip("has a GPU")
     with pytest.raises(NoGpuError):
         verify.verify_artifact(run_folder["run"], run_folder["recipe"])
+
+
+# --- 3. the ExecuTorch runtime as a second verification backend ----------------------------------------------
+# A fake zoo_runner (tests/fixtures/fake_zoo_runner.py) stands in for ExecuTorch's C++ runtime: it speaks the
+# runner's command line and tensor files and runs the run folder's exported programs eagerly, so its numbers are
+# eager's own; FAKE_ZOO_RUNNER_MODE makes it compute wrong numbers or fail to load. It claims ExecuTorch 1.2.0.
+
+
+def _verified_on_the_cpu(monkeypatch, factory) -> None:
+    monkeypatch.setattr(verify, "aoti_runner_factory", factory)
+    monkeypatch.setattr(verify, "_default_device", lambda: "cpu")
+
+
+def _rows_of(report: dict, runtime: str) -> list:
+    return [r for r in report["verification"]["rows"] if r["runtime"] == runtime]
+
+
+def _cases(rows: list) -> list:
+    return sorted((r["method"], r["seed"], json.dumps(r["sizes"]), r["output"]) for r in rows)
+
+
+def test_both_runtimes_get_the_same_cases_side_by_side(run_folder, tmp_path, monkeypatch, fake_zoo_runner):
+    run = _copy(run_folder, tmp_path)
+    _verified_on_the_cpu(monkeypatch, run_folder["fake"].runner_factory)
+    assert lower_cli.main([str(run), "--verify-only", "--runtime", "both", "--et-runner", str(fake_zoo_runner)]) == 0
+    report = json.loads((run / "report.json").read_text())
+    aoti, et = _rows_of(report, "aoti"), _rows_of(report, "executorch")
+    # Every method, seed and size (rope at lengths 2, 5, 16) on both, from the same seeded inputs.
+    assert _cases(aoti) == _cases(et) and len(et) == 2 + 2 + 6
+    # The runtime is fed in the method's order: the permuted method, whose .so takes c, b, a, matches eager
+    # exactly (the fake computes eager's numbers; fed the delegate's order it would not).
+    assert all(r["ok"] and r["rel_l2"] == 0.0 and r["max_abs"] == 0.0 for r in et)
+    outcome = report["verification"]["runtimes"]["executorch"]
+    assert outcome["status"] == "ran" and "ExecuTorch runtime 1.2.0-fake" in outcome["describe"]
+    assert outcome["load_ms"] == 1.0  # what the runner reported after loading
+    # The table shows each case's two runtimes one under the other.
+    lines = [line.split() for line in report["verification"]["table"].splitlines()]
+    body = [cells for cells in lines if cells and cells[0] in ("aoti", "executorch")]
+    assert [cells[0] for cells in body] == ["aoti", "executorch"] * len(et)
+    assert all(a[1:5] == e[1:5] for a, e in zip(body[::2], body[1::2]))
+    assert "executorch: worst rel L2 0.00e+00" in report["verification"]["summary"]
+    # The audit marks release 1.2 (the runner's) as tested by running; the others stay inferred.
+    releases = report["audit"]["releases"]
+    assert releases["1.2"]["tested"] == "by running: ok on cpu"
+    assert {releases[r]["tested"] for r in ("1.3", "1.4", "1.5")} == {"inferred from symbols"}
+    assert report["audit"]["findings"] == [] and "by running: ok on cpu" in report["audit"]["table"]
+
+
+def test_the_recipe_key_chooses_the_runtime(run_folder, tmp_path, monkeypatch, fake_zoo_runner):
+    run = _copy(run_folder, tmp_path)
+
+    def no_aoti(*args):
+        raise AssertionError("verify.runtimes=[executorch]: torch's AOTI runner must not run")
+
+    _verified_on_the_cpu(monkeypatch, no_aoti)
+    monkeypatch.setenv(et_runtime.RUNNER_ENV, str(fake_zoo_runner))
+    assert lower_cli.main([str(run), "verify.runtimes=[executorch]", "--verify-only"]) == 0
+    report = json.loads((run / "report.json").read_text())
+    assert set(report["verification"]["runtimes"]) == {"executorch"}
+    assert {r["runtime"] for r in report["verification"]["rows"]} == {"executorch"}
+
+
+def test_no_runner_by_default_is_a_note_not_a_failure(run_folder, tmp_path, monkeypatch, capsys):
+    run = _copy(run_folder, tmp_path)
+    _verified_on_the_cpu(monkeypatch, run_folder["fake"].runner_factory)
+    assert lower_cli.main([str(run), "--verify-only"]) == 0
+    report = json.loads((run / "report.json").read_text())
+    outcome = report["verification"]["runtimes"]["executorch"]
+    assert outcome["status"] == "not run" and "scripts/build_runtime.sh" in outcome["why"]
+    assert report["verification"]["passed"] and report["status"] == "verified"
+    assert "executorch: not run (" in report["verification"]["summary"]
+    assert "not run (" in capsys.readouterr().out
+
+
+def test_executorch_chosen_without_a_runner_fails_before_lowering(run_folder, tmp_path, monkeypatch, capsys):
+    run = _copy(run_folder, tmp_path)
+    (run / "model.pte").unlink()
+    fake = fake_cuda.FakeCudaCompile({})
+    fake.install(monkeypatch)
+    assert lower_cli.main([str(run), "--runtime", "executorch"]) == RuntimeNotBuilt.exit_code
+    assert fake.partitions == {} and not (run / "model.pte").exists()  # nothing was lowered
+    report = json.loads((run / "report.json").read_text())
+    assert report["error"]["type"] == "RuntimeNotBuilt" and report["stages"] == []
+    err = capsys.readouterr().err
+    assert "ZOO_ET_RUNNER" in err and "scripts/build_runtime.sh" in err
+    # A runner path that is no runner is refused at once too.
+    assert lower_cli.main([str(run), "--et-runner", str(tmp_path / "nothing")]) == RuntimeNotBuilt.exit_code
+    assert fake.partitions == {}
+
+
+def test_export_refuses_executorch_without_a_runner_before_any_work(tmp_path):
+    out = tmp_path / "out"
+    assert export_cli.main(["llama-rope-tiny", "--runtime", "executorch", "--output-dir", str(out)]) == \
+        RuntimeNotBuilt.exit_code
+    assert not out.exists()
+
+
+def test_a_runtime_that_computes_wrong_numbers_fails_with_exit_3(run_folder, tmp_path, monkeypatch, fake_zoo_runner):
+    run = _copy(run_folder, tmp_path)
+    _verified_on_the_cpu(monkeypatch, run_folder["fake"].runner_factory)
+    monkeypatch.setenv("FAKE_ZOO_RUNNER_MODE", "wrong")
+    assert lower_cli.main([str(run), "--verify-only", "--runtime", "both", "--et-runner", str(fake_zoo_runner)]) == \
+        VerificationFailed.exit_code
+    report = json.loads((run / "report.json").read_text())
+    assert all(r["ok"] for r in _rows_of(report, "aoti"))
+    et = _rows_of(report, "executorch")
+    assert et and not any(r["ok"] for r in et)
+    # Every output scaled by 1 + 1e-3: relative L2 1e-3 against eager, whatever the values.
+    assert all(r["rel_l2"] == pytest.approx(1e-3, rel=1e-3) for r in et)
+    assert {s["stage"]: s["status"] for s in report["stages"]}["verify"] == "failed"
+
+
+@pytest.fixture(scope="module")
+def float64_run(run_folder, tmp_path_factory):
+    """The run folder lowered again with the pool method's .so needing float64, which no release has."""
+    run = tmp_path_factory.mktemp("float64-run") / "run"
+    shutil.copytree(run_folder["run"], run)
+    (run / "model.pte").unlink()
+    fake = fake_cuda.FakeCudaCompile({"pool": (fake_cuda.FIXTURE_SO / "float64.so").read_bytes()})
+    with pytest.MonkeyPatch.context() as mp:
+        fake.install(mp)
+        mp.setattr(verify, "_default_device", lambda: "cpu")
+        mp.setattr(verify, "aoti_runner_factory", fake.runner_factory)
+        mp.delenv(et_runtime.RUNNER_ENV, raising=False)
+        assert lower_cli.main([str(run), "--runtime", "aoti"]) == 0
+    return {"run": run, "fake": fake}
+
+
+def test_a_load_failure_the_audit_predicted_is_expected(float64_run, tmp_path, monkeypatch, fake_zoo_runner):
+    run = tmp_path / "run"
+    shutil.copytree(float64_run["run"], run)
+    _verified_on_the_cpu(monkeypatch, float64_run["fake"].runner_factory)
+    monkeypatch.setenv("FAKE_ZOO_RUNNER_MODE", "fail-load")
+    assert lower_cli.main([str(run), "--verify-only", "--runtime", "both", "--et-runner", str(fake_zoo_runner)]) == 0
+    report = json.loads((run / "report.json").read_text())
+    outcome = report["verification"]["runtimes"]["executorch"]
+    assert outcome["status"] == "expected" and outcome["audit"]["reason"] == "1.2 lacks aoti_torch_dtype_float64"
+    assert "expected (audit: 1.2 lacks aoti_torch_dtype_float64)" in report["verification"]["table"]
+    assert "forward_so_blob" in outcome["log"]  # ExecuTorch's own log, kept in report.json
+    assert report["verification"]["passed"] and all(r["ok"] for r in _rows_of(report, "aoti"))
+    assert report["audit"]["releases"]["1.2"]["tested"].startswith("by running: FAILED: ")
+    assert report["audit"]["findings"] == []
+
+
+def test_a_load_failure_the_audit_did_not_predict_fails_and_is_a_finding(run_folder, tmp_path, monkeypatch,
+                                                                           fake_zoo_runner, capsys):
+    run = _copy(run_folder, tmp_path)
+    _verified_on_the_cpu(monkeypatch, run_folder["fake"].runner_factory)
+    monkeypatch.setenv("FAKE_ZOO_RUNNER_MODE", "fail-load")
+    assert lower_cli.main([str(run), "--verify-only", "--runtime", "both", "--et-runner", str(fake_zoo_runner)]) == \
+        VerificationFailed.exit_code
+    report = json.loads((run / "report.json").read_text())
+    outcome = report["verification"]["runtimes"]["executorch"]
+    assert outcome["status"] == "FAILED" and "cannot load program" in outcome["why"]
+    assert all(r["ok"] for r in report["verification"]["rows"])  # the AOTI runner's rows passed
+    assert not report["verification"]["passed"]
+    findings = report["audit"]["findings"]
+    assert len(findings) == 1 and "the audit calls it loadable, but it failed to run" in findings[0]
+    assert "executorch: ExecuTorch's runtime failed loading the program" in capsys.readouterr().err
 
 
 def test_empty_weights_blob_is_not_given_to_the_runner(tmp_path):

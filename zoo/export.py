@@ -18,6 +18,7 @@ from .progress import setup_logging
 from .publishing import publish_run
 from .recipes import load_recipe
 from .report import RunReport
+from .verify_backends import add_runtime_arguments, runner_from_arguments, runtime_overrides
 
 DEFAULT_RUNS = Path("runs")
 
@@ -33,6 +34,7 @@ def build_parser(prog: str = "python -m zoo.export") -> argparse.ArgumentParser:
                         help=f"run folder (default: {DEFAULT_RUNS}/<recipe name>); an earlier run there is replaced")
     parser.add_argument("--push-to-hub", metavar="ORG/NAME", default=None,
                         help="publish the run to this Hub repo once it has verified (refused otherwise)")
+    add_runtime_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
     return parser
 
@@ -44,10 +46,12 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "python -m zoo.export
 
 
 def _export(args: argparse.Namespace) -> int:
-    recipe = load_recipe(args.recipe, args.overrides)
+    overrides = list(args.overrides) + runtime_overrides(args)
+    recipe = load_recipe(args.recipe, overrides)
     run_dir = args.output_dir if args.output_dir is not None else DEFAULT_RUNS / recipe.name
     try:
-        report = run_pipeline(recipe, run_dir, args.overrides)
+        with runner_from_arguments(args):
+            report = run_pipeline(recipe, run_dir, overrides)
     except BaseException as exc:
         report = getattr(exc, "zoo_report", None)
         if report is not None:

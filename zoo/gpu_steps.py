@@ -7,7 +7,11 @@ run folder, later or on another machine). None of them needs lerobot: everything
   preflight  fallback kernels the programs need vs the target runtime (CPU; refuses before the compile)
   lower      model.pte + aoti_cuda_blob.ptd, so/<method>.so + weights blob + io.json (needs a GPU)
   audit      which ExecuTorch CUDA runtime releases can load each method's .so
-  verify     the .so files against eager at every seed and size (needs a GPU)
+  verify     the shipped artifact against eager at every seed and size, on torch's AOTI runner and ExecuTorch's
+             C++ runtime (``verify.runtimes``; needs a GPU); the release the ExecuTorch runtime was built from is
+             then marked in the audit as tested by running
+The verification runtimes are chosen before anything else: a choice that names the ExecuTorch runtime without a
+runner to run it fails before the lowering starts.
 A step that needs a GPU the machine lacks is recorded as skipped (``NoGpuError``), and so are the GPU stages
 after it.
 """
@@ -25,6 +29,7 @@ from .manifest import write_manifest
 from .report import RunReport, timed_stage
 from .run_folder import RunFolder
 from .verify import RunnerFactory, VerificationResult, verify_artifact
+from .verify_backends import RuntimeChoice, choose_runtimes
 
 GPU_STAGES = ("lower", "audit", "verify")
 
@@ -34,6 +39,7 @@ def run_gpu_steps(run: RunFolder, recipe, report: RunReport, *, lower: bool = Tr
     """Preflight and lower the run folder's rewritten programs (unless ``lower`` is False: the artifact already
     there), audit the artifact and verify it (unless ``verify`` is False). A verified run gets its manifest.
     Failures are recorded as their stage's and raised; recording the run as failed is the caller's."""
+    runtimes = choose_runtimes(recipe.verify.runtimes) if verify else None
     if lower:
         programs = saved_programs(run, recipe.unit.methods)
         preflight_step(programs, recipe, report)
@@ -44,9 +50,9 @@ def run_gpu_steps(run: RunFolder, recipe, report: RunReport, *, lower: bool = Tr
                 report.stage(stage, "skipped", None, exc.message)
             raise
         del programs
-    audit_step(run, recipe, report)
+    audited = audit_step(run, recipe, report)
     if verify:
-        verify_step(run, recipe, report, runner_factory=runner_factory)
+        verify_step(run, recipe, report, runner_factory=runner_factory, runtimes=runtimes, audited=audited)
     report.record("status", "verified" if verify else "lowered")
     if verify:
         # Only a verified artifact gets a manifest, and publishing refuses a run without one.
@@ -101,20 +107,41 @@ def audit_step(run: RunFolder, recipe, report: RunReport) -> audit.AuditResult:
     return audited
 
 
-def verify_step(run: RunFolder, recipe, report: RunReport, *,
-                runner_factory: Optional[RunnerFactory] = None) -> VerificationResult:
-    with timed_stage(report, "verify", "verify the shipped .so files against eager on the GPU") as facts:
+def verify_step(run: RunFolder, recipe, report: RunReport, *, runner_factory: Optional[RunnerFactory] = None,
+                runtimes: Optional[RuntimeChoice] = None,
+                audited: Optional[audit.AuditResult] = None) -> VerificationResult:
+    with timed_stage(report, "verify", "verify the shipped artifact against eager on the GPU") as facts:
         try:
-            verified = verify_artifact(run, recipe, runner_factory=runner_factory)
+            verified = verify_artifact(run, recipe, runner_factory=runner_factory, runtimes=runtimes,
+                                       audited=audited)
         except VerificationFailed as exc:
             result = getattr(exc, "result", None)
             if result is not None:
                 report.record("verification", result.summary())
+                record_tested(result, audited, report)
                 print(result.table())
-            facts["failure"] = (f"{len(result.failures())} outputs out of tolerance" if result is not None
-                                else exc.message)
+            facts["failure"] = (_failure_detail(result) if result is not None else exc.message)
             raise
         report.record("verification", verified.summary())
-        facts["detail"] = f"{len(verified.rows)} outputs within tolerance"
+        record_tested(verified, audited, report)
+        facts["detail"] = f"{len(verified.rows)} outputs within tolerance; {verified.worst_text()}"
     print(verified.table())
     return verified
+
+
+def _failure_detail(result: VerificationResult) -> str:
+    parts = [f"{len(result.failures())} outputs out of tolerance"] if result.failures() else []
+    parts += [f"{name} FAILED: {outcome.get('why', '')}" for name, outcome in result.failed_runtimes().items()]
+    return "; ".join(parts) or "nothing was compared"
+
+
+def record_tested(result: VerificationResult, audited: Optional[audit.AuditResult], report: RunReport) -> None:
+    """The audit's table marks the release the ExecuTorch runtime was built from as tested by running (ok, or
+    FAILED and why); a prediction that running contradicted becomes a finding of the audit."""
+    agreement = result.runtimes.get("executorch", {}).get("audit")
+    if audited is None or not agreement:
+        return
+    audit.mark_tested(audited, agreement)
+    report.record("audit", audited.summary())
+    print(f"runtime audit, release {agreement['release']}: {agreement['tested']}"
+          + ("" if agreement.get("agrees") is not False else f"\nFINDING: {agreement['verdict']}"))

@@ -34,6 +34,7 @@ from .progress import say
 from .report import RunReport, record_failure, timed_stage
 from .rewrites.result import source_line
 from .run_folder import KEPT_ON_FAILURE, RECIPE_YAML, RunFolder
+from .verify_backends import choose_runtimes
 
 NO_GPU_DETAIL = "needs a CUDA GPU; this machine has none"
 
@@ -45,6 +46,8 @@ NO_GPU_DETAIL = "needs a CUDA GPU; this machine has none"
 def run_pipeline(recipe, run_dir: Path, overrides: Sequence[str] = ()) -> RunReport:
     """Run every step for ``recipe`` into ``run_dir``. Returns the report; a failure is recorded in the run
     folder's report and re-raised (a ``ZooError`` the CLI prints, or ``KeyboardInterrupt``)."""
+    # A verification runtime the recipe names but this machine cannot run is refused before any work is done.
+    choose_runtimes(recipe.verify.runtimes)
     run = RunFolder(run_dir).prepare()
     staging = run.new_staging()
     report = RunReport(staging.path, recipe.to_dict())

@@ -33,6 +33,10 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 DTYPES = ("float32", "bfloat16", "float64")
 PAIR_DTYPES = ("float32", "float64")
+# What verification runs the shipped artifact on: torch's AOTI runner over each method's .so, and ExecuTorch's
+# own C++ runtime (zoo_runner) over model.pte + aoti_cuda_blob.ptd; "both" names the two.
+VERIFY_RUNTIMES = ("aoti", "executorch")
+VERIFY_RUNTIME_WORDS = VERIFY_RUNTIMES + ("both",)
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -93,6 +97,9 @@ class Verify:
     # dynamic dim name -> sizes to verify at (the bounds are always added)
     sizes: Dict[str, List[int]] = field(default_factory=dict)
     tolerance: Tolerance = field(default_factory=Tolerance)
+    # Runtimes to verify on (VERIFY_RUNTIME_WORDS). Unset: both, the ExecuTorch runtime where a zoo_runner is
+    # found ($ZOO_ET_RUNNER), else noted as not run. Set (here or with --runtime): each one named must run.
+    runtimes: Optional[List[str]] = None
 
 
 @dataclass
@@ -171,6 +178,11 @@ class Recipe:
         for key in ("float32", "float64", "bf16_factor"):
             if not getattr(tol, key) > 0:
                 fail(f"verify.tolerance.{key}={getattr(tol, key)} is not positive", "tolerances are > 0")
+        if self.verify.runtimes is not None:
+            if not self.verify.runtimes:
+                fail("verify.runtimes is empty", f"name one or more of {', '.join(VERIFY_RUNTIME_WORDS)}, or leave it unset")
+            for name in self.verify.runtimes:
+                need(name in VERIFY_RUNTIME_WORDS, "verify.runtimes", name, VERIFY_RUNTIME_WORDS)
         if not -1.0 <= tol.bf16_min_cosine <= 1.0:
             fail(f"verify.tolerance.bf16_min_cosine={tol.bf16_min_cosine}", "a cosine lies in [-1, 1]")
         if self.lowering.max_mm_configs is not None and self.lowering.max_mm_configs < 1:

@@ -13,7 +13,13 @@ the same order. Per output: max |diff|, relative L2, cosine, judged by the recip
     ``bf16_factor`` times eager bf16's own distance (never held to less than the float32 tolerance), with
     cosine >= ``bf16_min_cosine``.
 A shape, dtype or output-count mismatch, or a non-finite value where the reference is finite, fails by itself.
-Where an ExecuTorch build with the CUDA backend is importable, the ``.pte`` runs through it too.
+
+Runtimes (``verify.runtimes``, zoo.verify_backends): ``aoti`` runs each method's ``.so`` through torch's AOTI
+runner as above; ``executorch`` runs ``model.pte`` + ``aoti_cuda_blob.ptd`` through ExecuTorch's own C++ runtime
+(zoo_runner, one process for the run), with the same inputs, seeds, sizes and tolerances, fed in the method's
+signature order (the runtime reorders for the ``.so`` itself). Each row names its runtime. When the ExecuTorch
+runtime cannot load or run the artifact, verification fails, unless the runtime audit predicted exactly that
+for the runtime's release: then it is recorded as expected, with the audit's reason.
 """
 
 from __future__ import annotations
@@ -32,13 +38,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch.utils import _pytree as pytree
 
-from . import numerics
+from . import audit, numerics
 from .aoti_runner import AotiRunner
 from .artifact import extract_method_files
-from .errors import NoGpuError, VerificationFailed
+from .errors import NoGpuError, RuntimeCallFailed, VerificationFailed, first_line
 from .policies.base import InputSpec
 from .report import format_table
 from .run_folder import IO_SPEC_JSON, RunFolder
+from .et_runtime import describe
+from .verify_backends import LABELS, RuntimeChoice, choose_runtimes, executorch_caller
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -73,49 +81,120 @@ class Row:
     vs_eager: Optional[float] = None  # bf16: relative L2 of the artifact against eager bf16
 
 
+# What happened to a runtime as a whole (``VerificationResult.runtimes[name]["status"]``).
+RAN, FAILED, EXPECTED, NOT_RUN = "ran", "FAILED", "expected", "not run"
+
+
 @dataclass
 class VerificationResult:
     rows: List[Row]
     device: str
     gpu: Dict[str, Any]
-    executorch_runtime: str
     rotary_pairs: str
     unit_dtype: str
     seconds: float = 0.0
     notes: List[str] = field(default_factory=list)
+    # runtime -> {"status": RAN|FAILED|EXPECTED|NOT_RUN, "describe": which build ran it, "why": a failure's first
+    # line, and for the ExecuTorch runtime "load_ms", "gpu_loaded_mib", "release" and "audit" (the audit's
+    # prediction for that release next to what happened: zoo.audit.audit_agreement)}
+    runtimes: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        return bool(self.rows) and all(r.ok for r in self.rows)
+        return (bool(self.rows) and all(r.ok for r in self.rows)
+                and not any(o.get("status") == FAILED for o in self.runtimes.values()))
 
     def failures(self) -> List[Row]:
         return [r for r in self.rows if not r.ok]
 
+    def failed_runtimes(self) -> Dict[str, Dict[str, Any]]:
+        return {name: o for name, o in self.runtimes.items() if o.get("status") == FAILED}
+
     def as_dict(self) -> Dict[str, Any]:
-        return {"passed": self.ok, "device": self.device, "gpu": self.gpu, "executorch_runtime": self.executorch_runtime,
-                "rotary_pairs": self.rotary_pairs, "unit_dtype": self.unit_dtype, "seconds": round(self.seconds, 3),
-                "rows": [asdict(r) for r in self.rows], "notes": list(self.notes)}
+        return {"passed": self.ok, "device": self.device, "gpu": self.gpu, "runtimes": self.runtimes,
+                "summary": self.worst_text(), "rotary_pairs": self.rotary_pairs, "unit_dtype": self.unit_dtype,
+                "seconds": round(self.seconds, 3), "rows": [asdict(r) for r in self.rows], "notes": list(self.notes)}
 
     def summary(self) -> Dict[str, Any]:
         return {**self.as_dict(), "table": self.table()}
 
-    def table(self) -> str:
-        rows = [["runtime", "method", "seed", "sizes", "output", "max|diff|", "rel L2", "cosine", "tol", "result"]]
+    def worst(self) -> Dict[str, Dict[str, float]]:
+        """Per runtime that produced rows: the worst relative L2 and cosine over every floating output."""
+        out: Dict[str, Dict[str, float]] = {}
         for r in self.rows:
+            if r.tolerance == 0.0 and r.ok:  # integer and bool outputs, matched exactly: no error to report
+                continue
+            w = out.setdefault(r.runtime, {"rel_l2": 0.0, "cosine": 1.0})
+            w["rel_l2"] = r.rel_l2 if math.isnan(r.rel_l2) else max(w["rel_l2"], r.rel_l2)
+            w["cosine"] = min(w["cosine"], r.cosine)
+        return out
+
+    def worst_text(self) -> str:
+        """One line: per runtime, the worst relative L2 and cosine, or what happened to a runtime without rows."""
+        worst = self.worst()
+        parts = []
+        for name in dict.fromkeys([r.runtime for r in self.rows] + list(self.runtimes)):
+            outcome = self.runtimes.get(name, {})
+            if name in worst and outcome.get("status", RAN) == RAN:
+                parts.append(f"{name}: worst rel L2 {worst[name]['rel_l2']:.2e}, cosine {worst[name]['cosine']:.6f}")
+            else:
+                parts.append(f"{name}: {_status_text(outcome)}")
+        return "; ".join(parts)
+
+    def table(self) -> str:
+        """The comparisons, both runtimes next to each other per method, seed, size and output."""
+        rows = [["runtime", "method", "seed", "sizes", "output", "max|diff|", "rel L2", "cosine", "tol", "result"]]
+        for r in _side_by_side(self.rows):
             extra = f" (eager {r.eager_rel_l2:.2e})" if r.eager_rel_l2 is not None else ""
             rows.append([r.runtime, r.method, r.seed, _sizes_text(r.sizes), r.output, f"{r.max_abs:.3e}",
                          f"{r.rel_l2:.3e}{extra}", f"{r.cosine:.6f}", f"{r.tolerance:.1e}",
                          "ok" if r.ok else "FAIL: " + r.why])
-        head = (f"verification on {self.gpu.get('name', self.device)}: unit {self.unit_dtype}, rotary pairs "
-                f"{self.rotary_pairs}; {self.executorch_runtime}")
-        return head + "\n" + format_table(rows)
+        head = [f"verification on {self.gpu.get('name', self.device)}: unit {self.unit_dtype}, rotary pairs "
+                f"{self.rotary_pairs}"]
+        for name, outcome in self.runtimes.items():
+            head.append(f"  {name}: {outcome.get('describe', '')}" + _loaded_text(outcome)
+                        + ("" if outcome.get("status", RAN) == RAN else f"; {_status_text(outcome)}"))
+            if outcome.get("status", RAN) != RAN and outcome.get("why"):
+                head.append(f"    {outcome['why']}")
+        tail = [self.worst_text()] if self.rows else []
+        return "\n".join(head + [format_table(rows)] + tail)
 
     def failure_message(self) -> str:
         lines = [f"  - {r.runtime} {r.method} seed={r.seed} sizes={_sizes_text(r.sizes)} output {r.output}: {r.why}"
                  for r in self.failures()]
+        lines += [f"  - {name}: {outcome.get('why', '')}" for name, outcome in self.failed_runtimes().items()]
         if not self.rows:
-            lines = ["  - nothing was compared"]
+            lines.append("  - nothing was compared")
         return "the artifact does not compute what eager PyTorch computes:\n" + "\n".join(lines)
+
+
+def _status_text(outcome: Dict[str, Any]) -> str:
+    """A runtime's status in a few words (the failure itself is in ``why``)."""
+    status = outcome.get("status", RAN)
+    if status == EXPECTED:
+        return f"expected (audit: {outcome.get('audit', {}).get('reason', '?')})"
+    if status == FAILED:
+        return f"FAILED: {first_line(outcome.get('why', ''), limit=120)}"
+    if status == NOT_RUN:
+        return f"not run ({first_line(outcome.get('why', ''), limit=90).split(';')[0]})"
+    return "ran"
+
+
+def _loaded_text(outcome: Dict[str, Any]) -> str:
+    facts = []
+    if outcome.get("load_ms") is not None:
+        facts.append(f"loaded in {outcome['load_ms']:.0f} ms")
+    if outcome.get("gpu_loaded_mib") is not None:
+        facts.append(f"{outcome['gpu_loaded_mib']:.0f} MiB of GPU memory after loading")
+    return f" ({', '.join(facts)})" if facts else ""
+
+
+def _side_by_side(rows: Sequence[Row]) -> List[Row]:
+    """Rows ordered by (method, seed, sizes, output) as first seen, each runtime's row under the other's."""
+    first: Dict[Tuple, int] = {}
+    for r in rows:
+        first.setdefault((r.method, r.seed, _sizes_text(r.sizes), r.output), len(first))
+    return sorted(rows, key=lambda r: first[(r.method, r.seed, _sizes_text(r.sizes), r.output)])
 
 
 def _sizes_text(sizes: Dict[str, int]) -> str:
@@ -244,13 +323,20 @@ def _to_fp32(t: torch.Tensor) -> torch.Tensor:
 
 def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional[str] = None,
                     runner_factory: Optional[RunnerFactory] = None, raise_on_failure: bool = True,
-                    try_executorch: bool = True) -> VerificationResult:
-    """Run each method's shipped .so against eager at every seed and size; ``VerificationFailed`` (carrying the
-    result as ``.result``) when any output is out of tolerance."""
+                    runtimes: Union[RuntimeChoice, Sequence[str], None] = None,
+                    audited: Optional[audit.AuditResult] = None) -> VerificationResult:
+    """Run the shipped artifact against eager at every seed and size on each chosen runtime; ``VerificationFailed``
+    (carrying the result as ``.result``) when any output is out of tolerance or a runtime failed unexpectedly.
+
+    ``runtimes``: a ``RuntimeChoice``, a ``verify.runtimes`` setting, or None for the recipe's own. ``audited``:
+    the run's audit, which says whether a failure of the ExecuTorch runtime was predicted (audited here if None
+    and needed)."""
     start = time.perf_counter()
     run = RunFolder(run_dir)
     device = device or _default_device()
     factory = runner_factory or aoti_runner_factory
+    choice = runtimes if isinstance(runtimes, RuntimeChoice) else choose_runtimes(
+        recipe.verify.runtimes if runtimes is None else runtimes)
     if not run.io_spec_file.exists():
         raise VerificationFailed(f"{run.io_spec_file} is missing: zoo cannot draw inputs for the methods",
                                  "the export step writes it; export the recipe again")
@@ -265,12 +351,15 @@ def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional
     output_names = {m: list(per_method[m].get("outputs", [])) for m in methods}
     low_precision = recipe.unit.dtype == "bfloat16"
     cases = size_cases(io_spec, recipe)
+    if not run.pte.exists():
+        raise VerificationFailed(f"{run.pte} is missing", "lower the run first (`python -m zoo.lower RUN_DIR`)")
 
-    def run_all(runtime: str, call: Callable[[str, List[torch.Tensor]], List[torch.Tensor]]) -> List[Row]:
+    def run_all(runtime: str, call: Callable[[str, List[torch.Tensor]], List[torch.Tensor]], rows: List[Row]) -> None:
+        """Every seed, size and method through ``call``, compared with eager; rows are appended as they come, so
+        a runtime that fails half way keeps what it compared."""
         eager = {m: _eager_module(run.program("exported", m), device) for m in methods}
         ref32 = ({m: _eager_module(run.program("reference_fp32", m), device) for m in methods}
                  if low_precision else {})
-        rows: List[Row] = []
         seen = set()
         for seed in recipe.verify.seeds:
             for sizes in cases:
@@ -291,33 +380,73 @@ def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional
                                         cosine=c.cosine, tolerance=bound, ok=c.ok, why=c.why,
                                         reference=facts.get("reference", "eager"),
                                         eager_rel_l2=facts.get("eager_rel_l2"), vs_eager=facts.get("vs_eager")))
-        return rows
 
-    orders = {m: run.io_order(m) for m in methods}
-    if not run.pte.exists():
-        raise VerificationFailed(f"{run.pte} is missing", "lower the run first (`python -m zoo.lower RUN_DIR`)")
-    with shipped_runners(run.pte, run.ptd, methods, factory, device) as runners:
+    rows: List[Row] = []
+    outcomes: Dict[str, Dict[str, Any]] = {}
+    if "aoti" in choice.runtimes:
+        orders = {m: run.io_order(m) for m in methods}
+        with shipped_runners(run.pte, run.ptd, methods, factory, device) as runners:
 
-        def call_so(m: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
-            return run_in_delegate_order(runners[m], orders[m], inputs)
+            def call_so(m: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
+                return run_in_delegate_order(runners[m], orders[m], inputs)
 
-        rows = run_all("aoti", call_so)
-    status, et_call = executorch_runtime(run, device) if try_executorch else ("ExecuTorch runtime: not tried", None)
-    if et_call is not None:
-        rows += run_all("executorch", et_call)
-    result = VerificationResult(rows=rows, device=device, gpu=_gpu_info(device), executorch_runtime=status,
-                                rotary_pairs=recipe.rotary_pairs, unit_dtype=recipe.unit.dtype,
-                                seconds=time.perf_counter() - start)
+            run_all("aoti", call_so, rows)
+        outcomes["aoti"] = {"status": RAN, "describe": "torch's AOTI runner over each method's .so (libtorch's "
+                                                       f"shims), torch {torch.__version__}"}
+    if "executorch" in choice.runtimes:
+        outcomes["executorch"] = _run_executorch(run, methods, device, choice, run_all, rows, audited)
+    for name, why in choice.left_out.items():  # a runtime the default choice left out
+        outcomes[name] = {"status": NOT_RUN, "describe": LABELS[name], "why": why}
+    result = VerificationResult(rows=rows, device=device, gpu=_gpu_info(device), rotary_pairs=recipe.rotary_pairs,
+                                unit_dtype=recipe.unit.dtype, seconds=time.perf_counter() - start,
+                                runtimes=outcomes, notes=choice.notes())
     if recipe.rotary_pairs == "float32":
         result.notes.append("rotary pairs are float32: the relative L2 above is the float32 pairs' error against "
                             "the source's own (complex128 where it uses it) eager rotary math")
+    agreement = outcomes.get("executorch", {}).get("audit")
+    if agreement and agreement.get("agrees") is False:
+        result.notes.append("FINDING: " + agreement["verdict"])
     if raise_on_failure and not result.ok:
         exc = VerificationFailed(result.failure_message(),
                                  "the rows marked FAIL in the verification table show where; a wrong input order "
-                                 "or a kernel the compile got wrong are the usual causes")
+                                 "or a kernel the compile got wrong are the usual causes; a runtime that failed "
+                                 "to load or run names the reason (ExecuTorch's own log) above")
         exc.result = result  # type: ignore[attr-defined]
         raise exc
     return result
+
+
+def _run_executorch(run: RunFolder, methods: Sequence[str], device: str, choice: RuntimeChoice, run_all,
+                    rows: List[Row], audited: Optional[audit.AuditResult]) -> Dict[str, Any]:
+    """The artifact through ExecuTorch's C++ runtime, one zoo_runner process for every call; what happened, next
+    to what the runtime audit predicted for the runner's release. A failure to load or run is FAILED, unless the
+    audit said that release cannot load the artifact: then it is EXPECTED, with the audit's reason."""
+    outcome: Dict[str, Any] = {"describe": describe_runner(choice),
+                               "release": audit.release_of(str(choice.runner_info.get("executorch_version", "")))}
+    try:
+        with executorch_caller(run.pte, run.ptd, methods, device, executable=choice.runner) as (loaded, call):
+            outcome.update({k: loaded.get(k) for k in ("describe", "load_ms", "gpu_loaded_mib")})
+            run_all("executorch", call, rows)
+        ran, why = True, ""
+    except RuntimeCallFailed as exc:
+        # The run folder's place on this machine means nothing in a published report: paths are made relative.
+        local = str(run.path.resolve()) + "/"
+        ran, why = False, first_line(exc, limit=300).replace(local, "")
+        outcome["log"] = exc.message.replace(local, "")  # ExecuTorch's own log lines, for report.json
+    audited = audited if audited is not None else audit.audit_artifact(run.path)
+    agreement = audit.audit_agreement(audited, str(choice.runner_info.get("executorch_version", "")), ran=ran,
+                                      why=why, gpu=_gpu_info(device).get("name", device))
+    outcome["audit"] = agreement
+    if ran:
+        outcome["status"] = RAN
+    else:
+        outcome["status"] = EXPECTED if agreement.get("predicted_loadable") is False else FAILED
+        outcome["why"] = why
+    return outcome
+
+
+def describe_runner(choice: RuntimeChoice) -> str:
+    return describe(choice.runner_info) if choice.runner_info else "ExecuTorch runtime"
 
 
 def run_in_delegate_order(runner: Any, order: Dict[str, Any], inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -345,23 +474,3 @@ def shipped_runners(pte: Path, ptd: Path, methods: Sequence[str], factory: Runne
         yield runners
     finally:
         shutil.rmtree(shipped_dir, ignore_errors=True)
-
-
-def executorch_runtime(run_dir: Union[RunFolder, Path], device: str) -> Tuple[str, Optional[Callable]]:
-    """A caller running methods through ExecuTorch's own runtime, where a build with CudaBackend is importable."""
-    try:
-        from executorch.extension.pybindings import portable_lib
-    except Exception as exc:  # the pybindings raise ImportError or OSError depending on the missing library
-        return f"ExecuTorch runtime: not importable here ({type(exc).__name__}: {exc})", None
-    backends = list(getattr(portable_lib, "_get_registered_backend_names", lambda: [])())
-    if "CudaBackend" not in backends:
-        return ("ExecuTorch runtime: not importable here (the installed executorch has no CudaBackend, only "
-                f"{', '.join(backends) or 'no backends'}; CUDA builds are published from 1.5.0)"), None
-    run = RunFolder(run_dir)
-    module = portable_lib._load_for_executorch(str(run.pte), data_path=str(run.ptd) if run.ptd.exists() else None)
-
-    def call(method: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
-        outs = module.run_method(method, [t.cpu() for t in inputs])
-        return [o.to(device) for o in outs]
-
-    return "ExecuTorch runtime: CudaBackend", call
