@@ -108,7 +108,8 @@ def test_library_built_here_with_cc(tmp_path):
 def test_audit_main_prints_json_and_exits_by_loadability(capsys):
     assert audit.audit_main([str(FIXTURES / "clean.so"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["releases"]["1.2"] == {"version": "1.2.0", "loadable": True, "missing": {}}
+    assert data["releases"]["1.2"] == {"version": "1.2.0", "loadable": True, "missing": {},
+                                       "tested": "inferred from symbols"}
     assert audit.audit_main([str(FIXTURES / "float64.so")]) == 1
     assert "aoti_torch_dtype_float64" in capsys.readouterr().out
     assert audit.audit_main([str(FIXTURES / "float16.so"), "--require", "1.2"]) == 1
@@ -167,3 +168,36 @@ def test_real_float64_pairs_library_needs_a_runtime_with_float64():
     assert result.methods[0].symbols == expected
     assert result.loadable_releases() == []
     assert {r: m for r, m in result.methods[0].missing.items()} == {r: ["aoti_torch_dtype_float64"] for r in RELEASES}
+
+
+# --- tested by running: the prediction next to what a runtime built from one release did -------------------------
+
+
+@pytest.mark.parametrize("library, ran, agrees, words", [
+    ("clean.so", True, True, "loadable by the audit, and it ran"),
+    ("float64.so", False, True, "not loadable by the audit (1.2 lacks aoti_torch_dtype_float64), and it failed"),
+    ("clean.so", False, False, "the audit calls it loadable, but it failed to run: exit 127"),
+    ("float64.so", True, False, "the audit says not loadable (1.2 lacks aoti_torch_dtype_float64), but it ran"),
+])
+def test_running_marks_the_release_tested_and_a_contradiction_is_a_finding(library, ran, agrees, words):
+    result = audit.audit_artifact(FIXTURES / library)
+    why = "" if ran else "exit 127 (a symbol lookup error)"
+    agreement = audit.audit_agreement(result, "1.2.0", ran=ran, why=why, gpu="NVIDIA H200")
+    assert agreement["release"] == "1.2" and agreement["agrees"] is agrees and words in agreement["verdict"]
+    audit.mark_tested(result, agreement)
+    tested = "by running: ok on NVIDIA H200" if ran else f"by running: FAILED: {why}"
+    record = result.as_dict()["releases"]
+    assert record["1.2"]["tested"] == tested
+    assert [record[r]["tested"] for r in ("1.3", "1.4", "1.5")] == ["inferred from symbols"] * 3
+    table = result.table()
+    assert table.splitlines()[4].split()[-1] == "tested" and tested in table  # the release table: column, 1.2 row
+    assert result.findings == ([] if agrees else [agreement["verdict"]])
+    assert ("FINDING" in table) is (not agrees)
+
+
+def test_a_runtime_release_the_table_lacks_is_said_so():
+    result = audit.audit_artifact(FIXTURES / "clean.so")
+    agreement = audit.audit_agreement(result, "1.9.0a0", ran=True, gpu="H200")
+    assert agreement["release"] == "1.9" and agreement["agrees"] is None and "no release '1.9'" in agreement["verdict"]
+    audit.mark_tested(result, agreement)
+    assert set(result.tested) == set() and result.findings == []

@@ -27,6 +27,7 @@ from .run_folder import SO_DIR, RunFolder
 from .runtimes import Release, load_runtimes
 
 SYMBOL_PREFIX = "aoti_torch_"
+INFERRED = "inferred from symbols"
 DTYPE_PREFIX = "aoti_torch_dtype_"
 
 
@@ -72,6 +73,10 @@ class AuditResult:
     methods: List[MethodAudit]
     releases: Dict[str, str]  # release -> full version
     notes: List[str] = field(default_factory=list)
+    # release -> how its verdict is known: "by running: ..." for a release a runtime built from it ran (or failed
+    # to run) the artifact, set by ``mark_tested``; every other release is inferred from symbols
+    tested: Dict[str, str] = field(default_factory=dict)
+    findings: List[str] = field(default_factory=list)  # a prediction that running contradicted
 
     def loadable(self, release: str) -> bool:
         return all(m.loadable(release) for m in self.methods)
@@ -88,9 +93,11 @@ class AuditResult:
             "dtypes": self.dtypes(),
             "methods": [asdict(m) for m in self.methods],
             "releases": {r: {"version": v, "loadable": self.loadable(r),
-                             "missing": {m.method: m.missing[r] for m in self.methods if m.missing[r]}}
+                             "missing": {m.method: m.missing[r] for m in self.methods if m.missing[r]},
+                             "tested": self.tested_text(r)}
                          for r, v in self.releases.items()},
             "notes": list(self.notes),
+            "findings": list(self.findings),
         }
 
     def summary(self) -> Dict:
@@ -104,16 +111,22 @@ class AuditResult:
         the pipeline audits a staging folder whose name means nothing once the run is moved into place."""
         methods = format_table([["method", ".so bytes", "aoti_torch symbols", "dtypes"]]
                                + [[m.method, m.so_bytes, len(m.symbols), ", ".join(m.dtypes)] for m in self.methods])
-        rows = [["release", "version", "loadable", "missing symbols"]]
+        rows = [["release", "version", "loadable", "missing symbols", "tested"]]
         for release, version in self.releases.items():
             missing = sorted({s for m in self.methods for s in m.missing[release]})
-            rows.append([release, version, "yes" if self.loadable(release) else "NO", ", ".join(missing) or "-"])
+            rows.append([release, version, "yes" if self.loadable(release) else "NO", ", ".join(missing) or "-",
+                         self.tested_text(release)])
         text = f"{methods}\n\n{format_table(rows)}"
         if title:
             text = f"runtime audit of {Path(self.path).name}\n{text}"
         if self.notes:
             text += "\n\n" + "\n".join(f"- {note}" for note in self.notes)
+        if self.findings:
+            text += "\n\n" + "\n".join(f"- FINDING: {finding}" for finding in self.findings)
         return text
+
+    def tested_text(self, release: str) -> str:
+        return self.tested.get(release, INFERRED)
 
 
 def audit_so(data: bytes, method: str, runtimes: Dict[str, Release]) -> MethodAudit:
@@ -214,3 +227,45 @@ def audit_main(argv: Optional[Sequence[str]] = None) -> int:
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.table(title=True))
     ok = result.loadable(args.require) if args.require else bool(result.loadable_releases())
     return 0 if ok else 1
+
+
+# --- tested by running: the audit's prediction against a runtime that ran the artifact ----------------------------
+
+
+def release_of(version: str) -> str:
+    """The release a runtime version belongs to, as runtimes.json names them: ``1.2.0`` and ``1.2.0a0`` -> ``1.2``."""
+    return ".".join(version.strip().split(".")[:2])
+
+
+def audit_agreement(audited: AuditResult, version: str, ran: bool, why: str = "", gpu: str = "") -> Dict:
+    """The audit's prediction for the release of runtime ``version`` next to what running it showed (``ran``:
+    it loaded and every call returned; ``why``: else, the failure; ``gpu``: where). A disagreement either way is
+    a finding: the audit or the artifact needs fixing. ``reason`` says why the audit predicts a failure."""
+    release = release_of(version)
+    tested = f"by running: ok on {gpu or 'a GPU'}" if ran else f"by running: FAILED: {why or '?'}"
+    record = {"release": release, "version": version, "ran": ran, "why": why, "tested": tested}
+    if release not in audited.releases:
+        return {**record, "predicted_loadable": None, "agrees": None, "missing": [], "reason": "",
+                "verdict": f"the audit has no release {release!r} (runtime {version}); ran: {ran}"}
+    predicted = audited.loadable(release)
+    missing = sorted({s for m in audited.methods for s in m.missing[release]})
+    reason = f"{release} lacks {', '.join(missing)}" if missing else ""
+    if predicted and ran:
+        verdict = f"{release}: loadable by the audit, and it ran"
+    elif not predicted and not ran:
+        verdict = f"{release}: not loadable by the audit ({reason}), and it failed to run, as predicted"
+    elif predicted:
+        verdict = f"{release}: the audit calls it loadable, but it failed to run: {why}"
+    else:
+        verdict = f"{release}: the audit says not loadable ({reason}), but it ran"
+    return {**record, "predicted_loadable": predicted, "agrees": predicted == ran, "missing": missing,
+            "reason": reason, "verdict": verdict}
+
+
+def mark_tested(audited: AuditResult, agreement: Dict) -> None:
+    """Put what running showed into the audit's table (its ``tested`` column); a disagreement is a finding."""
+    release = agreement.get("release")
+    if release in audited.releases:
+        audited.tested[release] = agreement["tested"]
+    if agreement.get("agrees") is False and agreement["verdict"] not in audited.findings:
+        audited.findings.append(agreement["verdict"])

@@ -164,8 +164,10 @@ def audit_rows(audit: Any) -> List[Dict[str, Any]]:
             version, loadable = entry, not missing
         else:
             continue  # facts beside the per-release table
-        rows.append({"release": str(release), "version": version, "loadable": loadable,
-                     "missing": list(missing or [])})
+        row = {"release": str(release), "version": version, "loadable": loadable, "missing": list(missing or [])}
+        if isinstance(entry, Mapping) and str(entry.get("tested", "")).startswith("by running"):
+            row["tested"] = entry["tested"]  # a runtime built from this release ran the artifact
+        rows.append(row)
 
     def key(row: Dict[str, Any]) -> List[int]:
         return [int(p) if p.isdigit() else 0 for p in row["release"].split(".")]
@@ -189,6 +191,11 @@ def _audit_section(manifest: Mapping[str, Any]) -> List[str]:
     out += ["", (f"Loadable by: ExecuTorch {', '.join(loadable)}." if loadable else
                  "No audited ExecuTorch release can load this artifact: it needs the runtime symbols listed above."),
             ""]
+    tested = [r for r in rows if r.get("tested")]
+    if tested:
+        out += [" ".join(f"ExecuTorch {r['release']} was also tested {r['tested']} (its own C++ runtime with the CUDA "
+                         "backend, built from source, running this `.pte` + `.ptd`)." for r in tested)
+                + " The other releases are inferred from the symbols.", ""]
     return out
 
 
@@ -201,12 +208,21 @@ def _verification_section(manifest: Mapping[str, Any]) -> List[str]:
            f"compared with eager PyTorch in the source's highest precision. Result: "
            f"**{'passed' if ver.get('passed') else 'FAILED'}** ({sum(1 for r in rows if r.get('ok'))} of "
            f"{len(rows)} comparisons within tolerance).", ""]
-    table = [["method", "seed", "sizes", "output", "max abs diff", "relative L2", "cosine", "ok"]]
+    if any(r.get("runtime") == "executorch" for r in rows):
+        out += ["The artifact ran on two runtimes: torch's AOTI runner over each method's compiled `.so` and "
+                "weights, and ExecuTorch's own C++ runtime with its CUDA backend, loading `model.pte` + "
+                "`aoti_cuda_blob.ptd` as a deployment does.", ""]
+    table = [["runtime", "method", "seed", "sizes", "output", "max abs diff", "relative L2", "cosine", "ok"]]
     for r in rows:
-        table.append([r.get("method", ""), r.get("seed", ""), _sizes(r.get("sizes")), row_output(r),
+        table.append([RUNTIME_WORDS.get(r.get("runtime", "aoti"), r.get("runtime", "")), r.get("method", ""),
+                      r.get("seed", ""), _sizes(r.get("sizes")), row_output(r),
                       _num(r.get("max_abs"), ".3e"), _num(r.get("rel_l2"), ".3e"), _num(r.get("cosine"), ".8f"),
                       "yes" if r.get("ok") else f"no: {r.get('why', '')}"])
     return out + [markdown_table(table), ""]
+
+
+# How the card names the runtimes verification ran the artifact on (zoo.verify rows' "runtime").
+RUNTIME_WORDS = {"aoti": "AOTI runner (libtorch)", "executorch": "ExecuTorch runtime"}
 
 
 def _gpu_words(gpu: Mapping[str, Any]) -> str:
