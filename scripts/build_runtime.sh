@@ -3,8 +3,10 @@
 #   scripts/build_runtime.sh SRC OUT_DIR [--cpu] [--jobs N]
 # SRC: an ExecuTorch source tarball (.tar.xz/.tar.gz, extracting to executorch/, e.g. the v1.2.0 one in
 #      ../shared/third-party/) or an unpacked ExecuTorch tree with the submodules its root CMakeLists adds.
-# OUT_DIR: gets src/ (the unpacked tarball), build/ (CMake + ninja), build.log, stamp.json, and the runner at
-#      OUT_DIR/build/zoo_runner.
+# OUT_DIR: gets src/ (the unpacked tarball), build/ (CMake + ninja), build.log, stamp.json, status, and the runner
+#      at OUT_DIR/build/zoo_runner. The last line on stderr (and in build.log) is the wall time.
+# In the background: `nice -n 10 scripts/build_runtime.sh SRC OUT > OUT.console 2>&1 &`, then poll OUT/status: one
+#      line, "running: ...", then "ok: built in N s wall ...; runner PATH" or "failed: exit N after N s; log ...".
 # Builds only the target zoo_runner needs (runtime core, Module/FlatTensor extensions, portable kernels and, with
 # CUDA, the CUDA backend and its shim library), in Release with ExecuTorch's logging compiled in.
 # A second call with the same source, flags and tools reuses OUT_DIR (configure skipped, ninja finds nothing to do).
@@ -53,6 +55,10 @@ STAMP="$OUT/stamp.json"
 BUILD="$OUT/build"
 elapsed() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
 start_all=$(date +%s.%N)
+# OUT_DIR/status, for whoever started this in the background: "running ...", then "ok ..." or "failed ...".
+STATUS="$OUT/status"
+echo "running: pid $$ since $(date -u +%FT%TZ); log $LOG" > "$STATUS"
+trap 'rc=$?; [ $rc -eq 0 ] || echo "failed: exit $rc after $(elapsed "$start_all") s; log $LOG" > "$STATUS"' EXIT
 
 # --- the source tree -------------------------------------------------------------------------------------------------
 if [ -f "$SRC" ]; then
@@ -185,8 +191,11 @@ with open(sys.argv[1] + ".tmp", "w") as f:
 os.replace(sys.argv[1] + ".tmp", sys.argv[1])
 EOF
 fi
-printf '[build_runtime] %s in %.1f s (configure %.1f s, build %.1f s); log %s\n' \
-  "$([ "$reused" = true ] && echo reused || echo built)" "$total_s" "$configure_s" "$build_s" "$LOG" >&2
+done_line="$(printf '%s in %.1f s wall (configure %.1f s, build %.1f s, %s ninja steps, %s jobs); log %s' \
+  "$([ "$reused" = true ] && echo reused || echo built)" "$total_s" "$configure_s" "$build_s" "${steps:-0}" "$JOBS" "$LOG")"
+echo "[build_runtime] $done_line" >&2
+echo "[build_runtime] $done_line" >> "$LOG"
+echo "ok: $done_line; runner $BUILD/zoo_runner" > "$STATUS"
 echo "$BUILD/zoo_runner"
 }
 

@@ -1,33 +1,38 @@
 """Lowered run folders through ExecuTorch's C++ runtime (zoo_runner) next to torch's AOTI runner, on a GPU.
 
-    python scripts/gpu_runtime_check.py RUN_DIR [RUN_DIR ...] --out OUT
-        [--runner PATH | --build-from SRC [--build-dir DIR]] [--steps 4] [--latency] [--iters 20]
+    python scripts/gpu_runtime_check.py RUN_DIR [RUN_DIR ...] --out OUT --runner PATH
+        [--from-report | --no-verify] [--steps 3] [--latency METHOD ...] [--warmup 3] [--iters 20]
 
-1. The runtime: ``--runner`` (or $ZOO_ET_RUNNER), else built with scripts/build_runtime.sh from ``--build-from``
-   (the ExecuTorch source tarball; reused when already built in ``--build-dir``).
-2. Per run folder, every method at the recipe's verify seeds and sizes (plus the dynamic bounds), through both
-   runners, against eager, with verification's own inputs, references and tolerances (zoo.verify).
-3. A LingBot-VA run in the "io" KV-pool layout: a sequence of ``--steps`` calls alternating video_step and
-   action_step in ONE zoo_runner process (one loaded program), each call's pool outputs fed to the next call
-   inside the runner, against the exported programs run eagerly with the same feeding.
-4. ``--latency``: each method at its first seed and size, warm-up then timed calls, median and p90, and the GPU
-   memory after loading, for both runners.
-One table on stdout; everything in OUT/runtime_check.json and OUT/runtime_check.txt. Exit 0 when every check
-passed, 1 when one failed (a failure to load counts: it is a finding), 2 for bad arguments.
+Per run folder:
+1. Verification on both runtimes (zoo.verify with ``runtimes=both``: the same inputs, seeds, sizes and
+   tolerances for each). ``--from-report`` reads instead what ``python -m zoo.export ... --runtime both`` already
+   recorded in the run's report.json (nothing is recomputed); ``--no-verify`` skips it (a real-size run folder
+   without its exported programs).
+2. A LingBot-VA run in the "io" KV-pool layout (with its exported programs): ``--steps`` calls alternating
+   video_step and action_step in ONE zoo_runner process (one loaded program), each call's pool outputs fed to the
+   next call inside the runner, against the exported programs run eagerly with the same feeding.
+3. ``--latency METHOD`` (or ``all``): that method at the first seed and size, warm-up then timed calls (median,
+   p90), and the GPU memory after loading it, on the C++ runner and on torch's AOTI runner. Needs only model.pte,
+   aoti_cuda_blob.ptd, io_spec.json and so/<method>.io.json: a real-size run folder lowered elsewhere will do.
+One short table on stdout; everything in OUT/runtime_check.json and OUT/runtime_check.txt (nothing large: the
+tensor files and extracted weights go to a temporary folder, removed at the end). Exit 0 when every check passed
+(a failure of the C++ runtime that the audit predicted counts as passed, and says so), 1 when one failed, 2 for
+bad arguments or no GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -35,109 +40,69 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from zoo import et_runtime, verify  # noqa: E402
+from zoo.artifact import extract_method_files  # noqa: E402
 from zoo.errors import ZooError  # noqa: E402
-from zoo.lower import load_run_recipe  # noqa: E402
-from zoo.lowering import PTD_NAME, PTE_NAME, load_io_order  # noqa: E402
 from zoo.policies.base import InputSpec  # noqa: E402
 from zoo.report import format_table  # noqa: E402
+from zoo.run_folder import RunFolder  # noqa: E402
+from zoo.tensor_file import write_tensor  # noqa: E402
+from zoo.verify_backends import choose_runtimes  # noqa: E402
+
+# --- 1. verification on both runtimes ----------------------------------------------------------------------------------
 
 
-def build_runner(src: str, build_dir: Path) -> Dict[str, Any]:
-    """scripts/build_runtime.sh SRC DIR (reused when built); returns its stamp (times, versions, runner path)."""
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "build_runtime.sh"), src, str(build_dir)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    sys.stderr.write(proc.stderr)
-    if proc.returncode != 0:
-        raise SystemExit(f"[gpu_runtime_check] building the runtime failed (exit {proc.returncode}); "
-                         f"log: {build_dir / 'build.log'}")
-    stamp = json.loads((build_dir / "stamp.json").read_text())
-    stamp["this_call"] = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
-    return stamp
+def verify_both(run: RunFolder, recipe, runner: Path) -> Dict[str, Any]:
+    """zoo.verify over both runtimes; what report.json's "verification" holds (rows, runtimes, notes)."""
+    choice = choose_runtimes(["aoti", "executorch"], runner)
+    return verify.verify_artifact(run, recipe, runtimes=choice, raise_on_failure=False).as_dict()
 
 
-# --- both runners through verification's own loop ----------------------------------------------------------------------
+def verification_from_report(run: RunFolder) -> Dict[str, Any]:
+    report = json.loads((run.path / "report.json").read_text())
+    if "verification" not in report:
+        raise ZooError(f"{run.path}/report.json has no verification (the run failed or was not verified)",
+                       "run it again without --from-report, or export it again with --runtime both")
+    return report["verification"]
 
 
-@contextlib.contextmanager
-def _method_order_runners(device: str) -> Iterator[None]:
-    """Interim, until verify.py takes a caller per runtime: verification feeds every runner in the .so's order
-    (``run_in_delegate_order``); a runner whose ``order`` is "method" (zoo.et_runtime.MethodRunner: the runtime
-    reorders for the .so itself) gets the method's inputs as they are, all of them, and its outputs as they come.
-    Everything else in verification's loop (seeds, sizes, inputs, references, tolerances) runs unchanged."""
-    original = verify.run_in_delegate_order
-
-    def run(runner, order, inputs):
-        if getattr(runner, "order", None) == "method":
-            return [t.to(device) for t in runner.run(list(inputs))]
-        return original(runner, order, inputs)
-
-    verify.run_in_delegate_order = run
-    try:
-        yield
-    finally:
-        verify.run_in_delegate_order = original
-
-
-def verify_both(run_dir: Path, recipe, runner: Path, device: str = "cuda") -> Dict[str, Any]:
-    out: Dict[str, Any] = {"run": str(run_dir), "recipe": recipe.name}
-    try:
-        aoti = verify.verify_artifact(run_dir, recipe, raise_on_failure=False, try_executorch=False)
-        out["aoti_rows"] = [r.__dict__ for r in aoti.rows]
-    except ZooError as exc:
-        out["aoti_error"] = str(exc)
-    ptd = run_dir / PTD_NAME
-    try:
-        with et_runtime.RuntimeSession(run_dir / PTE_NAME, ptd if ptd.exists() else None, executable=runner,
-                                       methods=list(recipe.unit.methods)) as session:
-            out["executorch_runtime"] = et_runtime.describe(session.build)
-            out["executorch_load"] = {k: session.ready.get(k) for k in
-                                      ("load_ms", "gpu_loaded_mib", "gpu_used_mib_after_load", "gpu",
-                                       "weight_sharing_across_methods")}
-
-            with _method_order_runners(device):
-                et = verify.verify_artifact(run_dir, recipe, raise_on_failure=False, try_executorch=False,
-                                            runner_factory=lambda method, so, weights, device: session.runner(method))
-            for r in et.rows:
-                r.runtime = "executorch"
-            out["executorch_rows"] = [r.__dict__ for r in et.rows]
-    except ZooError as exc:
-        out["executorch_error"] = str(exc)
-    out["audit"] = audit_agreement(run_dir, runner, ran="executorch_error" not in out)
-    return out
+def summary_rows(recipe_name: str, verification: Dict[str, Any]) -> List[List[Any]]:
+    """(recipe, method, runtime, seed/sizes, worst rel L2, worst cosine, pass) per method, runtime, seed and size;
+    one row for a runtime that produced none (not run, expected by the audit, or failed)."""
+    groups: Dict[tuple, Dict[str, Any]] = {}
+    for r in verification.get("rows", []):
+        key = (r["method"], r["runtime"], f"{r['seed']}/{verify._sizes_text(r['sizes'])}")
+        g = groups.setdefault(key, {"rel_l2": 0.0, "cosine": 1.0, "ok": True, "why": ""})
+        if not (r["tolerance"] == 0.0 and r["ok"]):  # exact (integer) outputs carry no error to report
+            g["rel_l2"] = math.nan if math.isnan(r["rel_l2"]) or math.isnan(g["rel_l2"]) else max(g["rel_l2"],
+                                                                                                 r["rel_l2"])
+            g["cosine"] = min(g["cosine"], r["cosine"])
+        if not r["ok"]:
+            g["ok"], g["why"] = False, g["why"] or f"{r['output']}: {r['why']}"
+    rows = [[recipe_name, m, rt, case, f"{g['rel_l2']:.2e}", f"{g['cosine']:.6f}",
+             "ok" if g["ok"] else "FAIL " + g["why"][:60]] for (m, rt, case), g in groups.items()]
+    rows.sort(key=lambda row: (row[1], row[3], row[2]))
+    for name, outcome in verification.get("runtimes", {}).items():
+        status = outcome.get("status", verify.RAN)
+        if status != verify.RAN:
+            words = verify._status_text(outcome)
+            rows.append([recipe_name, "(all)", name, "-", "-", "-",
+                         words if status != verify.FAILED else "FAIL " + words])
+    return rows
 
 
-def audit_agreement(run_dir: Path, runner: Path, ran: bool) -> Dict[str, Any]:
-    """The symbol audit's prediction for the runtime release zoo_runner was built from, next to what running it
-    showed. A disagreement either way is a finding (the audit or the artifact needs fixing)."""
-    from zoo.audit import audit_artifact
-
-    version = str(et_runtime.runner_info(runner).get("executorch_version", ""))
-    release = ".".join(version.split(".")[:2])
-    audit = audit_artifact(run_dir)
-    if release not in audit.releases:
-        return {"release": release, "verdict": f"the audit has no release {release}; ran: {ran}", "agrees": None}
-    predicted = audit.loadable(release)
-    missing = sorted({s for m in audit.methods for s in m.missing[release]})
-    if predicted and ran:
-        verdict = f"{release}: loadable by the audit, and tested by running"
-    elif not predicted and not ran:
-        verdict = f"{release}: not loadable by the audit (missing {', '.join(missing)}), and it did not run: agrees"
-    elif predicted:
-        verdict = f"FINDING {release}: the audit calls it loadable, and it failed to run"
-    else:
-        verdict = f"FINDING {release}: the audit says not loadable (missing {', '.join(missing)}), and it ran"
-    return {"release": release, "predicted_loadable": predicted, "ran": ran, "missing": missing,
-            "agrees": predicted == ran, "verdict": verdict}
+def verification_passed(verification: Dict[str, Any]) -> bool:
+    """Every row within tolerance and no runtime failed unexpectedly (verification's own verdict)."""
+    return bool(verification.get("passed"))
 
 
-# --- LingBot-VA: the KV pool through the host over a sequence ----------------------------------------------------------
+# --- 2. LingBot-VA: the KV pool through the host over a sequence -------------------------------------------------------
 
 
-def pool_sequence(run_dir: Path, recipe, runner: Path, steps: int, device: str = "cuda",
+def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str = "cuda",
                   require_cuda: bool = True) -> Dict[str, Any]:
     """video_step/action_step alternating, each call's ``X_next`` outputs fed to the next call's ``X`` inputs,
     in one zoo_runner process; the exported programs run eagerly with the same feeding are the reference."""
-    io_spec = json.loads((run_dir / "io_spec.json").read_text())
+    io_spec = run.read_io_spec()
     per_method = io_spec.get("methods", io_spec)
     methods = list(recipe.unit.methods)
     specs = {m: [InputSpec(**d) for d in per_method[m]["inputs"]] for m in methods}
@@ -163,11 +128,11 @@ def pool_sequence(run_dir: Path, recipe, runner: Path, steps: int, device: str =
         for i in stateful[m]:  # zero state to start with, as the host does (the pool is zero-initialised)
             inputs[i] = torch.zeros_like(drawn[s][i]) if s == 0 else (s - 1, source(s, i))
         plan.append((m, inputs))
-    result = et_runtime.run_plan(run_dir / PTE_NAME, run_dir / PTD_NAME if (run_dir / PTD_NAME).exists() else None,
-                                 plan, executable=runner, require_cuda=require_cuda)
+    result = et_runtime.run_plan(run.pte, run.ptd if run.ptd.exists() else None, plan, executable=runner,
+                                 require_cuda=require_cuda)
 
     def eager_chain(kind: str, cast) -> List[List[torch.Tensor]]:
-        modules = {m: verify._eager_module(run_dir / f"{kind}.{m}.pt2", device) for m in methods}
+        modules = {m: verify._eager_module(run.program(kind, m), device) for m in methods}
         outs: List[List[torch.Tensor]] = []
         with torch.no_grad(), verify.full_fp32_precision():
             for s, m in enumerate(order):
@@ -188,130 +153,180 @@ def pool_sequence(run_dir: Path, recipe, runner: Path, steps: int, device: str =
             rows.append({"step": s, "method": m, "output": c.name, "rel_l2": c.rel_l2, "cosine": c.cosine,
                          "max_abs": c.max_abs, "tolerance": bound, "ok": c.ok, "why": c.why})
     return {"recipe": recipe.name, "steps": order, "step_ms": result.step_ms, "rows": rows,
-            "passed": all(r["ok"] for r in rows), "load_ms": result.summary.get("load_ms"),
+            "passed": bool(rows) and all(r["ok"] for r in rows), "load_ms": result.summary.get("load_ms"),
             "gpu_loaded_mib": result.summary.get("gpu_loaded_mib")}
 
 
-# --- latency and memory ------------------------------------------------------------------------------------------------
+# --- 3. latency and GPU memory after loading -----------------------------------------------------------------------------
 
 
-def latency(run_dir: Path, recipe, runner: Path, work: Path, warmup: int, iters: int) -> List[Dict[str, Any]]:
-    """Per method, first seed and size: zoo_runner's own timing (steady clock, CUDA sync) and torch's AOTI runner
-    timed the same way in this process; GPU memory after loading for each."""
-    from zoo.aoti_runner import AotiRunner
-    from zoo.lowering import extract_method_files
-    from zoo.tensor_file import write_tensor
-
-    io_spec = json.loads((run_dir / "io_spec.json").read_text())
+def _latency_inputs(run: RunFolder, recipe, method: str):
+    io_spec = run.read_io_spec()
     per_method = io_spec.get("methods", io_spec)
-    sizes = verify.size_cases(io_spec, recipe)[0]
-    seed = recipe.verify.seeds[0]
-    out = []
-    for m in recipe.unit.methods:
-        specs = [InputSpec(**d) for d in per_method[m]["inputs"]]
-        used = {d: sizes[d] for spec in specs for d in spec.shape if isinstance(d, str)}
-        inputs = verify.draw_inputs(specs, used, seed, m)
-        files = [str(write_tensor(work / f"{m}.in{i}.zt", t)) for i, t in enumerate(inputs)]
-        cmd = [str(runner), "--model", str(run_dir / PTE_NAME), "--method", m, "--inputs", ",".join(files),
-               "--load", m, "--warmup", str(warmup), "--iters", str(iters)]
-        if (run_dir / PTD_NAME).exists():
-            cmd += ["--data", str(run_dir / PTD_NAME)]
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=600)
-        summary = et_runtime._last_json(proc.stdout) or {}
-        row = {"method": m, "sizes": used, "executorch": {k: summary.get(k) for k in
-                                                          ("ok", "error", "median_ms", "p90_ms", "gpu_loaded_mib")}}
-        if proc.returncode != 0:
-            row["executorch"]["log_tail"] = et_runtime._tail(proc.stderr, 15)
-        # torch's AOTI runner on the same .so and weights, timed the same way
+    if recipe is not None:
+        sizes, seed = verify.size_cases(io_spec, recipe)[0], recipe.verify.seeds[0]
+    else:  # a run folder without its recipe: the smallest size of each dynamic dim, seed 0
+        sizes, seed = {d: int(r["min"]) for d, r in (io_spec.get("dynamic") or {}).items()}, 0
+    specs = [InputSpec(**d) for d in per_method[method]["inputs"]]
+    used = {d: sizes[d] for spec in specs for d in spec.shape if isinstance(d, str)}
+    return used, seed, verify.draw_inputs(specs, used, seed, method)
+
+
+def _percentiles(times: List[float]) -> Dict[str, float]:
+    times = sorted(times)
+    n = len(times)
+    return {"median_ms": (times[(n - 1) // 2] + times[n // 2]) / 2, "p90_ms": times[max(0, math.ceil(0.9 * n) - 1)]}
+
+
+def latency(run: RunFolder, recipe, method: str, runner: Path, work: Path, warmup: int, iters: int) -> Dict[str, Any]:
+    """One method on zoo_runner (its own timing: steady clock after a CUDA sync, only that method loaded) and on
+    torch's AOTI runner in this process, timed the same way; the GPU memory each took to load it."""
+    used, seed, inputs = _latency_inputs(run, recipe, method)
+    row: Dict[str, Any] = {"method": method, "seed": seed, "sizes": used, "warmup": warmup, "iters": iters}
+    files = [str(write_tensor(work / f"{method}.in{i}.zt", t)) for i, t in enumerate(inputs)]
+    cmd = [str(runner), "--model", str(run.pte), "--method", method, "--inputs", ",".join(files),
+           "--load", method, "--warmup", str(warmup), "--iters", str(iters)]
+    if run.ptd.exists():
+        cmd += ["--data", str(run.ptd)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=900)
+    summary = et_runtime._last_json(proc.stdout) or {}
+    row["executorch"] = {k: summary.get(k) for k in ("ok", "error", "load_ms", "median_ms", "p90_ms",
+                                                     "gpu_loaded_mib", "weight_sharing_across_methods")}
+    row["executorch"]["process_s"] = round(time.perf_counter() - t0, 1)
+    if proc.returncode != 0 or not summary.get("ok"):
+        row["executorch"]["ok"] = False
+        row["executorch"]["log_tail"] = et_runtime._tail(proc.stderr, 15)
+    for f in files:
+        Path(f).unlink(missing_ok=True)
+
+    from zoo.aoti_runner import AotiRunner
+
+    so, weights = run.so_file(method), run.weights_file(method)
+    if not so.exists():  # the shipped ones, out of the .pte/.ptd, as verification does
+        shipped = extract_method_files(run.pte, run.ptd, work / "so", only=[method])[method]
+        so, weights = shipped["so"], shipped["weights"]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info()[0]
+    t0 = time.perf_counter()
+    aoti = AotiRunner(so, weights if weights is not None and Path(weights).exists() else None)
+    torch.cuda.synchronize()
+    load_ms = (time.perf_counter() - t0) * 1e3
+    loaded_mib = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
+    order = run.io_order(method)
+    cuda_inputs = [t.cuda() for t in inputs]
+    times = []
+    for i in range(warmup + iters):
         torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
-        shipped = extract_method_files(run_dir / PTE_NAME, run_dir / PTD_NAME, work / f"so-{m}")
-        aoti = AotiRunner(shipped[m]["so"], shipped[m]["weights"])
+        t0 = time.perf_counter()
+        verify.run_in_delegate_order(aoti, order, cuda_inputs)
         torch.cuda.synchronize()
-        loaded_mib = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
-        order = load_io_order(run_dir, m)
-        cuda_inputs = [t.cuda() for t in inputs]
-        times = []
-        for i in range(warmup + iters):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            verify.run_in_delegate_order(aoti, order, cuda_inputs)
-            torch.cuda.synchronize()
-            if i >= warmup:
-                times.append((time.perf_counter() - t0) * 1e3)
-        times.sort()
-        row["aoti"] = {"median_ms": (times[(iters - 1) // 2] + times[iters // 2]) / 2,
-                       "p90_ms": times[max(0, math.ceil(0.9 * iters) - 1)], "gpu_loaded_mib": loaded_mib}
-        del aoti
-        out.append(row)
-    return out
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    row["aoti"] = {"ok": True, "load_ms": load_ms, **_percentiles(times), "gpu_loaded_mib": loaded_mib}
+    del aoti, cuda_inputs
+    torch.cuda.empty_cache()
+    return row
 
 
-# --- the table ---------------------------------------------------------------------------------------------------------
+# --- the report ----------------------------------------------------------------------------------------------------------
 
 
-def _worst(rows: List[Dict[str, Any]]) -> Dict[tuple, Dict[str, Any]]:
-    """Per (method, seed, sizes): the worst relative L2 and cosine over the outputs, and whether all passed."""
-    out: Dict[tuple, Dict[str, Any]] = {}
-    for r in rows:
-        key = (r["method"], r["seed"], verify._sizes_text(r["sizes"]))
-        w = out.setdefault(key, {"rel_l2": 0.0, "cosine": 1.0, "ok": True, "why": ""})
-        w["rel_l2"] = max(w["rel_l2"], r["rel_l2"]) if not math.isnan(r["rel_l2"]) else math.nan
-        w["cosine"] = min(w["cosine"], r["cosine"])
-        if not r["ok"]:
-            w["ok"], w["why"] = False, f"{r['output']}: {r['why']}"
-    return out
-
-
-def table(results: List[Dict[str, Any]]) -> str:
-    lines = []
-    rows = [["recipe", "method", "seed", "sizes", "aoti rel L2", "aoti cos", "ET rel L2", "ET cos", "result"]]
-    for res in results:
-        a, e = _worst(res.get("aoti_rows", [])), _worst(res.get("executorch_rows", []))
-        for key in sorted(set(a) | set(e), key=str):
-            ra, re_ = a.get(key), e.get(key)
-            fmt = lambda w, f: "-" if w is None else (f"{w['rel_l2']:.2e}" if f == "l2" else f"{w['cosine']:.6f}")
-            ok = all(w is not None and w["ok"] for w in (ra, re_))
-            why = "; ".join(w["why"] for w in (ra, re_) if w is not None and not w["ok"])
-            rows.append([res["recipe"], key[0], key[1], key[2], fmt(ra, "l2"), fmt(ra, "cos"), fmt(re_, "l2"),
-                         fmt(re_, "cos"), "ok" if ok else "FAIL " + (why or "(missing)")])
-        for side in ("aoti_error", "executorch_error"):
-            if side in res:
-                rows.append([res["recipe"], "(all)", "-", "-", "", "", "", "", f"{side}: {res[side].splitlines()[0]}"])
-    lines.append(format_table(rows))
-    for res in results:
-        if "executorch_runtime" in res:
-            lines.append(f"{res['recipe']}: {res['executorch_runtime']}; load {res['executorch_load']}")
-        if res.get("audit"):
-            lines.append(f"{res['recipe']} audit vs running: {res['audit']['verdict']}")
-        for side in ("aoti_error", "executorch_error"):
-            if side in res:
-                lines.append(f"{res['recipe']} {side}:\n{res[side]}")
+def text_report(report: Dict[str, Any]) -> str:
+    lines = [f"zoo_runner: {report['runner']}", f"GPU: {report['gpu']}, torch {report['torch']}"]
+    rows = [["recipe", "method", "runtime", "seed/sizes", "worst rel L2", "cosine", "pass"]]
+    for res in report["results"]:
+        if "verification" in res:
+            rows += summary_rows(res["recipe"], res["verification"])
+        elif "verification_error" in res:
+            rows.append([res["recipe"], "(all)", "both", "-", "-", "-", "FAIL " + res["verification_error"][:80]])
+    if len(rows) > 1:
+        lines.append(format_table(rows))
+    for res in report["results"]:
+        ver = res.get("verification", {})
+        agreement = ver.get("runtimes", {}).get("executorch", {}).get("audit")
+        if agreement:
+            lines.append(f"{res['recipe']}: runtime audit vs running: {agreement['verdict']}")
         seq = res.get("sequence")
         if seq and "rows" in seq:
-            srows = [["step", "method", "output", "rel L2", "cosine", "tol", "result"]]
+            srows = [["step", "method", "output", "rel L2", "cosine", "tol", "pass"]]
             for r in seq["rows"]:
                 srows.append([r["step"], r["method"], r["output"], f"{r['rel_l2']:.2e}", f"{r['cosine']:.6f}",
                               f"{r['tolerance']:.1e}", "ok" if r["ok"] else "FAIL " + r["why"]])
             lines.append(f"{res['recipe']}: KV pool through the host, {len(seq['steps'])} calls in one zoo_runner "
-                         f"process (per call ms: {', '.join(f'{t:.2f}' for t in seq['step_ms'])})\n"
-                         + format_table(srows))
+                         f"process vs eager ({'passed' if seq['passed'] else 'FAILED'}; per call ms: "
+                         f"{', '.join(f'{t:.2f}' for t in seq['step_ms'])})\n" + format_table(srows))
         elif seq:
-            lines.append(f"{res['recipe']} sequence: {seq.get('skipped') or seq.get('error')}")
+            lines.append(f"{res['recipe']} KV sequence: {seq.get('skipped') or seq.get('error')}")
         for row in res.get("latency", []):
-            lines.append(f"{res['recipe']} {row['method']} latency: ExecuTorch {row['executorch']}, AOTI {row['aoti']}")
+            lrows = [["runner", "load ms", "median ms", "p90 ms", "GPU MiB after loading", "ok"]]
+            for name in ("executorch", "aoti"):
+                r = row[name]
+                lrows.append([name, _num(r.get("load_ms")), _num(r.get("median_ms"), ".3f"),
+                              _num(r.get("p90_ms"), ".3f"), _num(r.get("gpu_loaded_mib")),
+                              "yes" if r.get("ok") else f"no: {r.get('error', '')}"])
+            lines.append(f"{res['recipe']} {row['method']} at seed {row['seed']}, sizes {row['sizes']}: "
+                         f"{row['warmup']} warm-up + {row['iters']} timed calls\n" + format_table(lrows))
+            if row["executorch"].get("log_tail"):
+                lines.append("zoo_runner's log:\n" + row["executorch"]["log_tail"])
+        for key in ("latency_error", "verification_error"):
+            if key in res:
+                lines.append(f"{res['recipe']} {key}: {res[key]}")
+    lines.append("RESULT: " + ("passed" if report["passed"] else "FAILED"))
     return "\n".join(lines)
 
 
-def passed(res: Dict[str, Any]) -> bool:
-    """Both runners matched eager, or the ExecuTorch runtime failed exactly where the audit said it would."""
-    audit = res.get("audit", {})
-    expected_failure = "executorch_error" in res and audit.get("agrees") is True
-    rows = res.get("aoti_rows", []) + ([] if expected_failure else res.get("executorch_rows", []))
+def _num(value: Any, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def result_passed(res: Dict[str, Any]) -> bool:
+    ok = "verification_error" not in res and "latency_error" not in res
+    if "verification" in res:
+        ok = ok and verification_passed(res["verification"])
     seq = res.get("sequence")
-    seq_ok = seq is None or "skipped" in seq or seq.get("passed") is True or (expected_failure and "error" in seq)
-    return (bool(rows) and all(r["ok"] for r in rows) and "aoti_error" not in res and seq_ok
-            and ("executorch_error" not in res or expected_failure) and audit.get("agrees") is not False)
+    if seq is not None and "skipped" not in seq:
+        ok = ok and seq.get("passed") is True
+    return ok and all(row[name].get("ok") for row in res.get("latency", []) for name in ("executorch", "aoti"))
+
+
+def check_run(run_dir: Path, args, runner: Path, work: Path) -> Dict[str, Any]:
+    run = RunFolder(run_dir)
+    recipe = run.load_recipe() if run.recipe_file.exists() else None
+    # the run folder's name: gpu_check.sh names a variant's folder RECIPE+f32pairs, the recipe keeps its own name
+    name = run_dir.resolve().name
+    res: Dict[str, Any] = {"run": str(run_dir), "recipe": name}
+    say = lambda what: print(f"[gpu_runtime_check] {name}: {what}", file=sys.stderr, flush=True)  # noqa: E731
+    has_programs = recipe is not None and run.program("exported", recipe.unit.methods[0]).exists()
+    if not args.no_verify:
+        try:
+            if args.from_report:
+                res["verification"] = verification_from_report(run)
+            elif has_programs:
+                say(f"verifying on both runtimes at seeds {list(recipe.verify.seeds)}")
+                res["verification"] = verify_both(run, recipe, runner)
+            else:
+                res["verification_error"] = "no recipe.yaml or exported programs to verify against (--no-verify)"
+        except ZooError as exc:
+            res["verification_error"] = str(exc)
+    if has_programs and recipe.family == "lingbot_va" and args.steps > 0:
+        say(f"KV pool sequence, {args.steps} calls in one zoo_runner process")
+        try:
+            res["sequence"] = pool_sequence(run, recipe, runner, args.steps)
+        except Exception as exc:  # recorded and shown: a failure here is a finding, not a crash of the check
+            res["sequence"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    methods = list(recipe.unit.methods) if recipe is not None else []
+    wanted = methods if "all" in args.latency else args.latency
+    res["latency"] = []
+    for method in wanted:
+        say(f"latency of {method}: {args.warmup} warm-up + {args.iters} timed calls on each runner")
+        try:
+            res["latency"].append(latency(run, recipe, method, runner, work, args.warmup, args.iters))
+        except Exception as exc:
+            res["latency_error"] = f"{method}: {type(exc).__name__}: {exc}"
+    res["passed"] = result_passed(res)
+    return res
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -319,52 +334,41 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("run_dirs", nargs="+", type=Path)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--runner", help=f"a built zoo_runner (default ${et_runtime.RUNNER_ENV})")
-    p.add_argument("--build-from", help="ExecuTorch source tarball or tree to build the runtime from")
-    p.add_argument("--build-dir", type=Path, default=REPO / "build" / "runtime")
-    p.add_argument("--steps", type=int, default=4, help="calls in the LingBot-VA pool sequence (>= 3)")
-    p.add_argument("--latency", action="store_true", help="also time each method through both runners")
+    p.add_argument("--from-report", action="store_true",
+                   help="take verification from each run's report.json (zoo.export --runtime both)")
+    p.add_argument("--no-verify", action="store_true", help="no verification (a run folder without its programs)")
+    p.add_argument("--steps", type=int, default=3, help="calls in the LingBot-VA KV pool sequence (0: none)")
+    p.add_argument("--latency", nargs="*", default=[], metavar="METHOD", help="methods to time (all: every one)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--work", type=Path, default=None, help="temporary files (default: the system's temp folder)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("[gpu_runtime_check] needs a CUDA device", file=sys.stderr)
         return 2
+    if 0 < args.steps < 3:
+        p.error("--steps must be 0 or at least 3 (the issue asks for at least 3 calls)")
+    try:
+        runner = et_runtime.find_runner(args.runner)
+        info = et_runtime.runner_info(runner)
+    except ZooError as exc:
+        print(f"[gpu_runtime_check] {exc}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    report: Dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    if args.build_from and not args.runner:
-        report["build"] = build_runner(args.build_from, args.build_dir.resolve())
-        args.runner = report["build"]["runner"]
-    runner = et_runtime.find_runner(args.runner)
-    report["runner_info"] = et_runtime.runner_info(runner)
-    results = []
-    for run_dir in args.run_dirs:
-        recipe = load_run_recipe(run_dir)
-        print(f"[gpu_runtime_check] {recipe.name}: both runners at seeds {list(recipe.verify.seeds)}", file=sys.stderr)
-        res = verify_both(run_dir, recipe, runner)
-        if recipe.family == "lingbot_va":
-            try:
-                res["sequence"] = pool_sequence(run_dir, recipe, runner, max(3, args.steps))
-            except Exception as exc:  # recorded and shown: a failure here is a finding, not a crash of the check
-                res["sequence"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        if args.latency:
-            try:
-                res["latency"] = latency(run_dir, recipe, runner, args.out / f"latency-{recipe.name}", args.warmup,
-                                         args.iters)
-            except Exception as exc:
-                res["latency_error"] = f"{type(exc).__name__}: {exc}"
-        res["passed"] = passed(res)
-        results.append(res)
-    report["results"] = results
-    text = table(results)
-    if "build" in report:
-        b = report["build"]
-        text = (f"runtime build: {b['this_call']}; first build {b['seconds']} s ({b['ninja_steps']} steps, "
-                f"{b['jobs']} jobs, cmake {b['cmake']}, nvcc {b['nvcc']}, torch {b['torch']})\n") + text
-    text = f"zoo_runner: {et_runtime.describe(report['runner_info'])}\n" + text
+    report: Dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                              "runner": et_runtime.describe(info), "runner_info": info, "results": []}
+    work = Path(tempfile.mkdtemp(prefix="zoo-runtime-check-", dir=args.work))
+    try:
+        for run_dir in args.run_dirs:
+            report["results"].append(check_run(run_dir, args, runner, work))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report["passed"] = bool(report["results"]) and all(r["passed"] for r in report["results"])
+    text = text_report(report)
     print(text)
     (args.out / "runtime_check.txt").write_text(text + "\n")
     (args.out / "runtime_check.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    return 0 if results and all(r["passed"] for r in results) else 1
+    return 0 if report["passed"] else 1
 
 
 if __name__ == "__main__":

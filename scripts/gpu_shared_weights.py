@@ -244,7 +244,7 @@ def cmd_check(args) -> int:
     if args.verify:
         from zoo.verify import verify_artifact
 
-        verified = verify_artifact(out, recipe, raise_on_failure=False, try_executorch=False)
+        verified = verify_artifact(out, recipe, raise_on_failure=False, runtimes=["aoti"])
         result["verification"] = {"ok": verified.ok, "table": verified.table()}
         say(f"zoo verification: {'PASS' if verified.ok else 'FAIL'}\n{verified.table()}")
     atomic.write_json(out.path / "check.json", result)

@@ -186,3 +186,15 @@ def test_each_shipped_so_with_the_shared_blob_computes_what_eager_computes(lower
         assert set(runner.get_constant_names_to_original_fqns().values()) == set(lowered["plan"].fqns())
         with torch.no_grad():
             torch.testing.assert_close(runner.run([X])[0], eager[method](X))
+
+
+def test_one_method_extracted_alone_is_the_same_bytes(lowered, tmp_path):
+    """``only``: the method's .so and weights, byte for byte those of the full extraction, and nothing else."""
+    assembled = lowered["assembled"]
+    ptd = Path(assembled.pte).parent / PTD_NAME
+    alone = artifact.extract_method_files(assembled.pte, ptd, tmp_path, only=["b"])
+    assert list(alone) == ["b"]
+    full = lowered["files"]["b"]
+    assert alone["b"]["so"].read_bytes() == Path(full["so"]).read_bytes()
+    assert alone["b"]["weights"].read_bytes() == Path(full["weights"]).read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alone["b"]["so"].name, alone["b"]["weights"].name])

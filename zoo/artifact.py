@@ -16,7 +16,7 @@ import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from . import atomic
 from .errors import LoweringError
@@ -132,13 +132,15 @@ def _copy_range(src: Path, offset: int, size: int, dest: Path) -> None:
             left -= len(chunk)
 
 
-def extract_method_files(pte_path: Path, ptd_path: Optional[Path], so_dir: Path) -> Dict[str, Dict[str, Any]]:
-    """Write each CUDA method's .so (from the .pte) and weights blob (from the .ptd) into ``so_dir``."""
+def extract_method_files(pte_path: Path, ptd_path: Optional[Path], so_dir: Path,
+                         only: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
+    """Write each CUDA method's .so (from the .pte) and weights blob (from the .ptd) into ``so_dir``; with
+    ``only``, just those methods (a real-size blob is ~10 GB: timing one method need not copy the others)."""
     methods, named = read_pte(pte_path)
     index = read_ptd_index(ptd_path) if ptd_path is not None and Path(ptd_path).exists() else {}
     out: Dict[str, Dict[str, Any]] = {}
     for name, method in methods.items():
-        if method.so_key is None:
+        if method.so_key is None or (only is not None and name not in only):
             continue
         so_path = so_dir / so_file_name(name)
         atomic.write_bytes(so_path, named[method.so_key])

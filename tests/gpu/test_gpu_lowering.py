@@ -220,7 +220,7 @@ def test_ignoring_the_delegate_order_fails_on_the_real_so(toy_run):
     order["input_order"] = [0, 1, 2]
     io_path.write_text(json.dumps(order))
     try:
-        result = verify.verify_artifact(run, folder.load_recipe(), raise_on_failure=False, try_executorch=False)
+        result = verify.verify_artifact(run, folder.load_recipe(), raise_on_failure=False, runtimes=["aoti"])
     finally:
         io_path.write_text(saved)
     assert {r.method for r in result.failures()} == {"permuted"}

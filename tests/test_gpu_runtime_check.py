@@ -1,0 +1,153 @@
+"""scripts/gpu_runtime_check.py on the CPU: its summary table from verification rows (hand-made rows, worked by
+hand), and its refusal without a GPU. The GPU paths themselves run on the GPU box (docs/runtime.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_runtime_check.py"
+
+
+@pytest.fixture(scope="module")
+def check():
+    spec = importlib.util.spec_from_file_location("gpu_runtime_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(runtime, method, output, rel_l2, cosine, ok=True, tolerance=1e-5, seed=0, sizes=None, why=""):
+    return {"runtime": runtime, "method": method, "seed": seed, "sizes": sizes or {"n": 4}, "output": output,
+            "rel_l2": rel_l2, "cosine": cosine, "tolerance": tolerance, "ok": ok, "why": why}
+
+
+def test_summary_is_the_worst_output_per_method_runtime_seed_and_size(check):
+    verification = {"passed": False, "rows": [
+        _row("aoti", "forward", "a", 1e-7, 0.9999999),
+        _row("aoti", "forward", "b", 3e-7, 0.9999990),
+        _row("aoti", "forward", "ids", 0.0, 1.0, tolerance=0.0),  # exact output: no error to report
+        _row("executorch", "forward", "a", 2e-7, 0.9999995),
+        _row("executorch", "forward", "b", 4e-3, 0.99, ok=False, why="rel L2 4.0e-03 > 1.0e-05"),
+    ], "runtimes": {"aoti": {"status": "ran"}, "executorch": {"status": "ran"}}}
+    rows = check.summary_rows("toy", verification)
+    assert rows == [["toy", "forward", "aoti", "0/n=4", "3.00e-07", "0.999999", "ok"],
+                    ["toy", "forward", "executorch", "0/n=4", "4.00e-03", "0.990000",
+                     "FAIL b: rel L2 4.0e-03 > 1.0e-05"]]
+
+
+def test_a_runtime_without_rows_gets_a_row_saying_why(check):
+    verification = {"passed": True, "rows": [_row("aoti", "forward", "a", 1e-7, 1.0)], "runtimes": {
+        "aoti": {"status": "ran"},
+        "executorch": {"status": "expected", "why": "exit 1", "audit": {"reason": "1.2 lacks aoti_torch_dtype_float64"}}}}
+    rows = check.summary_rows("toy", verification)
+    assert rows[-1] == ["toy", "(all)", "executorch", "-", "-", "-",
+                        "expected (audit: 1.2 lacks aoti_torch_dtype_float64)"]
+    assert check.result_passed({"verification": verification, "latency": []})
+
+
+def test_a_nan_is_the_worst(check):
+    verification = {"rows": [_row("aoti", "forward", "a", math.nan, math.nan, ok=False, why="non-finite"),
+                             _row("aoti", "forward", "b", 1e-7, 1.0)]}
+    assert check.summary_rows("toy", verification)[0][4] == "nan"
+
+
+def test_the_sequence_and_latency_decide_too(check):
+    verification = {"passed": True, "rows": []}
+    assert not check.result_passed({"verification": verification, "sequence": {"passed": False, "rows": []}})
+    assert check.result_passed({"verification": verification, "sequence": {"skipped": "not io"}})
+    slow = {"executorch": {"ok": False}, "aoti": {"ok": True}}
+    assert not check.result_passed({"latency": [slow]})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without a GPU")
+def test_without_a_gpu_it_exits_2(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "needs a CUDA device" in proc.stderr
+
+
+# --- the LingBot-VA KV pool sequence, on the fake runner ---------------------------------------------------------------
+
+
+class PoolWrite(torch.nn.Module):
+    """The io KV-pool protocol in miniature: write rows at slots, return a readout and the new pool."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, values, slots, pool):
+        new = pool.index_copy(0, slots, values * self.scale)
+        return new.sum(1), new
+
+
+SCALES = {"video_step": 1.0, "action_step": -2.0}
+
+
+@pytest.fixture(scope="module")
+def pool_run(tmp_path_factory):
+    """A run folder with two methods passing a pool in and out (``pool`` -> ``pool_next``), as LingBot-VA's io
+    layout does, and a recipe-shaped object with what the sequence reads."""
+    from zoo.recipes import Tolerance
+
+    d = tmp_path_factory.mktemp("pool-run")
+    values, slots, pool = torch.randn(2, 4), torch.tensor([1, 3]), torch.zeros(5, 4)
+    specs = [{"name": "values", "dtype": "float32", "shape": [2, 4], "sampler": "normal"},
+             {"name": "slots", "dtype": "int64", "shape": [2], "sampler": "randperm:5"},
+             {"name": "pool", "dtype": "float32", "shape": [5, 4], "sampler": "normal"}]
+    for name, scale in SCALES.items():
+        torch.export.save(torch.export.export(PoolWrite(scale), (values, slots, pool)), str(d / f"exported.{name}.pt2"))
+    (d / "io_spec.json").write_text(json.dumps({"methods": {m: {"inputs": specs, "outputs": ["readout", "pool_next"]}
+                                                            for m in SCALES}, "dynamic": {}}))
+    (d / "model.pte").write_bytes(b"stands in for the program; the fake runs exported.*.pt2")
+    recipe = SimpleNamespace(name="pool-toy", unit=SimpleNamespace(methods=list(SCALES), dtype="float32"),
+                             dynamic={}, verify=SimpleNamespace(seeds=[0], sizes={}, tolerance=Tolerance()))
+    return d, recipe
+
+
+def _hand_chain(run_dir: Path, steps: int):
+    """The pool after each call, worked directly from the drawn inputs (index_copy of scaled rows)."""
+    from zoo import verify
+    from zoo.policies.base import InputSpec
+
+    specs = [InputSpec(**d) for d in json.loads((run_dir / "io_spec.json").read_text())["methods"]["video_step"]["inputs"]]
+    pool, pools = torch.zeros(5, 4), []
+    for s in range(steps):
+        method = "video_step" if s % 2 == 0 else "action_step"
+        values, slots, _ = verify.draw_inputs(specs, {}, seed=s, method=method)
+        pool = pool.clone()
+        pool[slots] = values * SCALES[method]
+        pools.append(pool)
+    return pools
+
+
+@pytest.mark.parametrize("mode, passed", [("", True), ("wrong", False)])
+def test_pool_sequence_feeds_the_pool_from_call_to_call(check, pool_run, fake_zoo_runner, monkeypatch, mode, passed):
+    from zoo.run_folder import RunFolder
+
+    run_dir, recipe = pool_run
+    monkeypatch.setenv("FAKE_ZOO_RUNNER_MODE", mode)
+    seen = []
+    original = check.et_runtime.run_plan
+
+    def spy(*args, **kwargs):
+        result = original(*args, **kwargs)
+        seen.append(result)
+        return result
+
+    monkeypatch.setattr(check.et_runtime, "run_plan", spy)
+    out = check.pool_sequence(RunFolder(run_dir), recipe, fake_zoo_runner, 3, device="cpu")
+    assert out["steps"] == ["video_step", "action_step", "video_step"] and len(out["step_ms"]) == 3
+    assert out["passed"] is passed and len(out["rows"]) == 6
+    if passed:  # the runner's pools are the hand-worked chain: each call's pool went into the next call
+        for got, want in zip(seen[0].outputs, _hand_chain(run_dir, 3)):
+            assert torch.equal(got[1], want)
