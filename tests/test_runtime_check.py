@@ -1,9 +1,10 @@
-"""scripts/gpu_runtime_check.py on the CPU: its summary table from verification rows (hand-made rows, worked by
-hand), and its refusal without a GPU. The GPU paths themselves run on the GPU box (docs/runtime.md)."""
+"""zoo/runtime_check.py (what scripts/gpu_runtime_check.py reports) on the CPU: the summary table of a
+two-runtime verification from hand-made rows (worked by hand), the LingBot-VA KV pool sequence on the fake
+runner against a hand-worked chain, and the script's refusal without a GPU (run as a program). The GPU paths
+themselves run on the GPU box (docs/runtime.md)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -14,15 +15,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from zoo import runtime_check
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_runtime_check.py"
 
 
 @pytest.fixture(scope="module")
 def check():
-    spec = importlib.util.spec_from_file_location("gpu_runtime_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return runtime_check
 
 
 def _row(runtime, method, output, rel_l2, cosine, ok=True, tolerance=1e-5, seed=0, sizes=None, why=""):
