@@ -607,6 +607,36 @@ def make_reference(fw: nn.Module, horizon: int, steps: int, sigma_shift: Optiona
 
 
 # --------------------------------------------------------------------------------------------------------
+# The deploy side's counterparts (zoo.runner): LeRobot's whole policy, and prompt embeddings
+
+
+def lerobot_policy(checkpoint_dir: Path, dtype: str):
+    """LeRobot's own policy as a control loop builds it: ``(policy, preprocessor, postprocessor)``, on the CPU
+    in ``dtype``, with its text encoder (it embeds the task itself). The policy check's reference."""
+    from lerobot.policies.factory import make_pre_post_processors
+
+    checkpoint_dir = Path(checkpoint_dir)
+    _read_policy_type(checkpoint_dir)
+    config = PreTrainedConfig.from_pretrained(checkpoint_dir)
+    config.device = "cpu"
+    config.torch_dtype = dtype
+    policy = FastWAMPolicy.from_pretrained(checkpoint_dir, config=config, strict=True).eval()
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(checkpoint_dir))
+    return policy, pre, post
+
+
+def embed_prompt(policy: FastWAMPolicy, task: str):
+    """What ``python -m zoo prompt`` writes for Fast-WAM: LeRobot's ``encode_prompt`` of the task in the
+    policy's prompt template (modeling_fastwam._prompt_from_batch), as a ``zoo.runner.PromptEmbedding``."""
+    from ..runner.prompt import PromptEmbedding
+
+    text = policy.config.prompt_template.format(task=task)
+    with torch.no_grad():
+        context, mask = policy.model.encode_prompt(text)
+    return PromptEmbedding(task, POLICY_TYPE, {"context": context, "context_mask": mask}, text=text)
+
+
+# --------------------------------------------------------------------------------------------------------
 # Fabricating a tiny checkpoint
 
 
