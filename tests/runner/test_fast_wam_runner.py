@@ -1,0 +1,169 @@
+"""The policy check for fast-wam-tiny on the CPU: zoo.runner (eager backend: the rewritten programs of a run
+folder, no lerobot) against LeRobot's own ``FastWAMPolicy`` built from the same checkpoint, driven the way a
+LeRobot control loop drives it (preprocessor, ``select_action``, postprocessor), over 3 action chunks.
+
+The reference embeds the task with its own UMT5 on every chunk and draws its noise itself; the runner gets the
+task's embedding from a prompt file and draws the noise from the numbers in host_settings.json.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lerobot")
+
+from zoo import pipeline  # noqa: E402
+from zoo.recipes import load_recipe  # noqa: E402
+from zoo.report import RunReport  # noqa: E402
+from zoo.runner import RunnerError, load  # noqa: E402
+from zoo.runner.check import ProcessedPolicy, policy_check  # noqa: E402
+from zoo.tiny_hub import fabricated_hub  # noqa: E402
+
+fast_wam = pytest.importorskip("zoo.policies.fast_wam")
+
+pytestmark = pytest.mark.policies
+
+TINY = "fast-wam-tiny"
+TASK = "pick up the black bowl"
+CHUNK = 32  # the tiny recipe's n_action_steps
+
+
+def export_run(recipe, run_dir: Path) -> Path:
+    """The export's CPU steps into ``run_dir`` (the kernel preflight and the CPU check are left to the pipeline
+    tests); returns the checkpoint folder."""
+    report = RunReport(run_dir, recipe.to_dict())
+    with pipeline.source_environment(recipe, report):
+        checkpoint = pipeline.pull_step(recipe, run_dir, report)
+        unit = pipeline.build_step(checkpoint, recipe, run_dir, report)
+        programs, _ = pipeline.export_step(unit, recipe, run_dir, report)
+        rewritten = pipeline.rewrite_step(programs, recipe, report)
+    pipeline.save_step(rewritten, recipe, run_dir, report)
+    return checkpoint.path
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return load_recipe(TINY)
+
+
+@pytest.fixture(scope="module")
+def run(recipe, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("fw-run")
+    checkpoint = export_run(recipe, run_dir)
+    return run_dir, checkpoint
+
+
+@pytest.fixture(scope="module")
+def lerobot(recipe, run):
+    with fabricated_hub(recipe):  # the policy loads its VAE, UMT5 and tokenizer by Hub id
+        return fast_wam.lerobot_policy(run[1], recipe.unit.dtype)
+
+
+@pytest.fixture(scope="module")
+def prompt_file(lerobot, tmp_path_factory):
+    return fast_wam.embed_prompt(lerobot[0], TASK).save(tmp_path_factory.mktemp("prompt") / "task.safetensors")
+
+
+def observations(count: int, seed: int = 123):
+    g = torch.Generator().manual_seed(seed)
+    return [{"observation.images.image": torch.rand(3, 64, 128, generator=g),
+             "observation.state": torch.randn(8, generator=g), "task": TASK} for _ in range(count)]
+
+
+def runner_for(run_dir: Path, prompt_file: Path):
+    runner = load(run_dir)
+    runner.load_prompt(prompt_file)
+    return runner
+
+
+def test_policy_check_three_chunks(run, lerobot, prompt_file):
+    runner = runner_for(run[0], prompt_file)
+    result = policy_check(runner, ProcessedPolicy(*lerobot), observations(3 * CHUNK + 1), seed=0)
+    assert [r.chunk for r in result.rows] == [1, 2, 3, 4] and [r.steps for r in result.rows] == [CHUNK] * 3 + [1]
+    assert result.ok, result.table()
+    assert max(r.rel_l2 for r in result.rows) <= 1e-5
+
+
+def test_chunks_follow_the_observations(run, lerobot, prompt_file):
+    """Not a constant: each chunk is predicted from its own observation (the noise is the same each chunk)."""
+    runner = runner_for(run[0], prompt_file)
+    obs = observations(2 * CHUNK)
+    runner.reset()
+    actions = torch.stack([runner.select_action(o) for o in obs])
+    assert actions.shape == (2 * CHUNK, 1, 7)
+    first, second = actions[:CHUNK], actions[CHUNK:]
+    assert float((first - second).norm() / first.norm()) > 1e-3
+
+
+def test_predict_action_chunk_matches_lerobot(run, lerobot, prompt_file):
+    policy, pre, post = lerobot
+    runner = runner_for(run[0], prompt_file)
+    obs = observations(1, seed=5)[0]
+    with torch.no_grad():
+        want = post(policy.predict_action_chunk(pre(dict(obs))))
+    got = runner.predict_action_chunk(dict(obs))
+    assert got.shape == want.shape == (1, 32, 7)
+    assert float((got - want).norm() / want.norm()) <= 1e-5
+
+
+def test_perturbed_schedule_is_caught(run, lerobot, prompt_file, tmp_path):
+    """One Euler delta off by 1% in host_settings.json: the policy check fails."""
+    broken = tmp_path / "broken"
+    shutil.copytree(run[0], broken)
+    settings = json.loads((broken / "host_settings.json").read_text())
+    settings["deltas"][3] *= 1.01
+    (broken / "host_settings.json").write_text(json.dumps(settings))
+    result = policy_check(runner_for(broken, prompt_file), ProcessedPolicy(*lerobot), observations(3 * CHUNK), seed=0)
+    assert not result.ok and all(r.rel_l2 > 1e-5 for r in result.rows)
+
+
+def test_missing_prompt_names_the_command(run):
+    runner = load(run[0])
+    with pytest.raises(RunnerError, match="python -m zoo prompt"):
+        runner.select_action(observations(1)[0])
+
+
+def test_prompt_of_another_policy_is_refused(run, prompt_file, tmp_path):
+    from zoo.runner import PromptEmbedding
+
+    other = PromptEmbedding.load(prompt_file)
+    other.policy_type = "lingbot_va"
+    with pytest.raises(RunnerError, match="lingbot_va"):
+        load(run[0]).load_prompt(other.save(tmp_path / "other.safetensors"))
+
+
+def test_other_schedule_is_refused(run, prompt_file):
+    runner = runner_for(run[0], prompt_file)
+    with pytest.raises(RunnerError, match="exported for 10 steps"):
+        runner.select_action({**observations(1)[0], "num_inference_steps": 4})
+
+
+def test_vae_encode_is_the_wan_vae_by_hand(run, lerobot):
+    """The exported first-frame encode against diffusers' AutoencoderKLWan called directly, normalised by hand."""
+    policy = lerobot[0]
+    vae = policy.model.vae.vae
+    runner = load(run[0])
+    image = torch.rand(1, 3, 64, 128, generator=torch.Generator().manual_seed(9))
+    got = runner.call("vae_encode", image=image)["first_frame_latents"]
+    with torch.no_grad():
+        mu = vae.encode((image * 2 - 1).unsqueeze(2)).latent_dist.mode().float()
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    want = (mu - mean) / std
+    assert got.shape == want.shape == (1, 48, 1, 4, 8)
+    assert float((got - want).norm() / want.norm()) <= 1e-6
+
+
+def test_runner_imports_no_model_libraries():
+    code = ("import sys, zoo.runner, zoo.runner.fast_wam, zoo.runner.check; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('lerobot', 'transformers', 'diffusers')); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
