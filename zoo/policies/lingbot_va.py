@@ -472,6 +472,36 @@ def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# the deploy side's counterparts (zoo.runner): LeRobot's whole policy, and prompt embeddings
+
+
+def lerobot_policy(checkpoint_dir: Path, recipe: Recipe):
+    """LeRobot's own policy as a control loop builds it: ``(policy, preprocessor, postprocessor)`` on the CPU,
+    with its VAE, UMT5 and tokenizer loaded now (LeRobot loads them lazily on the first call; loading draws
+    nothing from the global generator, but doing it up front keeps an episode's RNG use to the noise)."""
+    from lerobot.policies.factory import make_pre_post_processors
+
+    policy = load_policy(checkpoint_dir, recipe)
+    policy._ensure_frozen_modules()
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(checkpoint_dir))
+    return policy, pre, post
+
+
+def embed_prompt(policy: LingBotVAPolicy, task: str):
+    """What ``python -m zoo prompt`` writes for LingBot-VA: LeRobot's own ``_encode_prompt`` of the task
+    (UMT5, padded to max_sequence_length) and, when the policy runs CFG, of the empty negative prompt."""
+    from ..runner.prompt import PromptEmbedding
+
+    policy._ensure_frozen_modules()
+    with torch.no_grad():
+        prompt, negative = policy._encode_prompt(task or "")
+    tensors = {"prompt_embeds": prompt}
+    if negative is not None:
+        tensors["negative_prompt_embeds"] = negative
+    return PromptEmbedding(task, POLICY_TYPE, tensors)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # fabricated checkpoints (tiny recipes)
 
 
