@@ -610,18 +610,21 @@ def make_reference(fw: nn.Module, horizon: int, steps: int, sigma_shift: Optiona
 # The deploy side's counterparts (zoo.runner): LeRobot's whole policy, and prompt embeddings
 
 
-def lerobot_policy(checkpoint_dir: Path, dtype: str):
-    """LeRobot's own policy as a control loop builds it: ``(policy, preprocessor, postprocessor)``, on the CPU
-    in ``dtype``, with its text encoder (it embeds the task itself). The policy check's reference."""
+def lerobot_policy(checkpoint_dir: Path, recipe: Recipe, device: str = "cpu"):
+    """LeRobot's own policy as a control loop builds it: ``(policy, preprocessor, postprocessor)`` on
+    ``device`` in the recipe's dtype, with its text encoder (it embeds the task itself). The policy check's
+    reference."""
+    dtype = recipe.unit.dtype
     from lerobot.policies.factory import make_pre_post_processors
 
     checkpoint_dir = Path(checkpoint_dir)
     _read_policy_type(checkpoint_dir)
     config = PreTrainedConfig.from_pretrained(checkpoint_dir)
-    config.device = "cpu"
+    config.device = device
     config.torch_dtype = dtype
     policy = FastWAMPolicy.from_pretrained(checkpoint_dir, config=config, strict=True).eval()
-    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(checkpoint_dir))
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(checkpoint_dir),
+                                         preprocessor_overrides={"device_processor": {"device": device}})
     return policy, pre, post
 
 

@@ -475,15 +475,18 @@ def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
 # the deploy side's counterparts (zoo.runner): LeRobot's whole policy, and prompt embeddings
 
 
-def lerobot_policy(checkpoint_dir: Path, recipe: Recipe):
-    """LeRobot's own policy as a control loop builds it: ``(policy, preprocessor, postprocessor)`` on the CPU,
-    with its VAE, UMT5 and tokenizer loaded now (LeRobot loads them lazily on the first call; loading draws
-    nothing from the global generator, but doing it up front keeps an episode's RNG use to the noise)."""
+def lerobot_policy(checkpoint_dir: Path, recipe: Recipe, device: str = "cpu"):
+    """LeRobot's own policy as a control loop builds it: ``(policy, preprocessor, postprocessor)`` on
+    ``device``, with its VAE, UMT5 and tokenizer loaded now. LeRobot loads them lazily on the first call; up
+    front, an episode's use of the global generator is the noise alone, whatever a loader might draw."""
     from lerobot.policies.factory import make_pre_post_processors
 
     policy = load_policy(checkpoint_dir, recipe)
+    policy.config.device = device
+    policy.to(device)
     policy._ensure_frozen_modules()
-    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(checkpoint_dir))
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(checkpoint_dir),
+                                         preprocessor_overrides={"device_processor": {"device": device}})
     return policy, pre, post
 
 
