@@ -19,12 +19,12 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from zoo import pipeline  # noqa: E402
 from zoo.recipes import load_recipe  # noqa: E402
-from zoo.report import RunReport  # noqa: E402
 from zoo.runner import RunnerError, load  # noqa: E402
 from zoo.runner.check import ProcessedPolicy, policy_check  # noqa: E402
 from zoo.tiny_hub import fabricated_hub  # noqa: E402
+
+from runner_helpers import export_run  # noqa: E402
 
 fast_wam = pytest.importorskip("zoo.policies.fast_wam")
 
@@ -33,19 +33,6 @@ pytestmark = pytest.mark.policies
 TINY = "fast-wam-tiny"
 TASK = "pick up the black bowl"
 CHUNK = 32  # the tiny recipe's n_action_steps
-
-
-def export_run(recipe, run_dir: Path) -> Path:
-    """The export's CPU steps into ``run_dir`` (the kernel preflight and the CPU check are left to the pipeline
-    tests); returns the checkpoint folder."""
-    report = RunReport(run_dir, recipe.to_dict())
-    with pipeline.source_environment(recipe, report):
-        checkpoint = pipeline.pull_step(recipe, run_dir, report)
-        unit = pipeline.build_step(checkpoint, recipe, run_dir, report)
-        programs, _ = pipeline.export_step(unit, recipe, run_dir, report)
-        rewritten = pipeline.rewrite_step(programs, recipe, report)
-    pipeline.save_step(rewritten, recipe, run_dir, report)
-    return checkpoint.path
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +50,7 @@ def run(recipe, tmp_path_factory):
 @pytest.fixture(scope="module")
 def lerobot(recipe, run):
     with fabricated_hub(recipe):  # the policy loads its VAE, UMT5 and tokenizer by Hub id
-        return fast_wam.lerobot_policy(run[1], recipe.unit.dtype)
+        return fast_wam.lerobot_policy(run[1], recipe)
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +149,7 @@ def test_vae_encode_is_the_wan_vae_by_hand(run, lerobot):
 
 
 def test_runner_imports_no_model_libraries():
-    code = ("import sys, zoo.runner, zoo.runner.fast_wam, zoo.runner.check; "
+    code = ("import sys, zoo.runner, zoo.runner.fast_wam, zoo.runner.lingbot_va, zoo.runner.check; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('lerobot', 'transformers', 'diffusers')); "
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -21,7 +21,7 @@ import torch
 
 from .backends import Backend, make_backend
 from .errors import RunnerError
-from .processors import Pipeline, load_processors
+from .processors import load_processors
 from .prompt import PromptEmbedding
 from .run_files import RunFiles
 
@@ -126,8 +126,9 @@ class PolicyRunner:
 
 def _family_runners() -> Dict[str, type]:
     from .fast_wam import FastWAMRunner
+    from .lingbot_va import LingBotVARunner
 
-    return {FastWAMRunner.policy_type: FastWAMRunner}
+    return {r.policy_type: r for r in (FastWAMRunner, LingBotVARunner)}
 
 
 def resolve(source: Union[str, Path]) -> Path:

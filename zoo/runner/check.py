@@ -89,10 +89,18 @@ def policy_check(runner: Any, reference: Any, observations: Sequence[Batch], *, 
                  tolerance: float = 1e-5, min_chunks: int = 3) -> PolicyCheckResult:
     """Run both episodes and compare them chunk by chunk (the runner's chunks)."""
     expected = run_episode(reference, observations, seed)
-    chunk_ids: List[int] = []
+    return compare_episode(runner, expected, observations, seed=seed, tolerance=tolerance, min_chunks=min_chunks)
+
+
+def compare_episode(runner: Any, expected: Sequence[torch.Tensor], observations: Sequence[Batch], *, seed: int = 0,
+                    tolerance: float = 1e-5, min_chunks: int = 3) -> PolicyCheckResult:
+    """The runner's episode against the reference's actions (``run_episode``), chunk by chunk."""
+    if len(expected) != len(observations):
+        raise RunnerError(f"{len(expected)} reference actions for {len(observations)} observations",
+                          "run the reference over the same observations")
     torch.manual_seed(seed)
     runner.reset()
-    got = []
+    got, chunk_ids = [], []
     for obs in observations:
         got.append(runner.select_action(_copy(obs)).detach().to("cpu", torch.float32))
         chunk_ids.append(runner.chunks_predicted)
