@@ -98,8 +98,9 @@ class ArtifactBackend(Backend):
             raise RunnerError(f"{run.pte} is missing: the run was not lowered",
                               "lower it on a GPU machine (`python -m zoo.lower RUN_DIR`), or use backend='eager'")
         self._orders = {m: run.io_order(m) for m in methods}
-        # The bytes that ship, taken out of model.pte / aoti_cuda_blob.ptd now (not copies left by lowering).
-        self._dir: Optional[Path] = Path(tempfile.mkdtemp(prefix=".runner-so-", dir=run.path))
+        # The bytes that ship, taken out of model.pte / aoti_cuda_blob.ptd now (not copies left by lowering),
+        # into a private temporary folder: a run may be a read-only Hub snapshot.
+        self._dir: Optional[Path] = Path(tempfile.mkdtemp(prefix="zoo-runner-so-"))
         shipped = extract_method_files(run.pte, run.ptd, self._dir)
         self._runners = {}
         for m in methods:

@@ -131,12 +131,13 @@ class FastWAMRunner(PolicyRunner):
         return context.to(device=self.device, dtype=self.dtype), mask.to(device=self.device, dtype=torch.bool)
 
     def _refuse_unsupported(self, batch: Batch) -> None:
-        """Per-call options LeRobot reads from the batch that would need another export."""
-        steps = _scalar(batch.get("num_inference_steps", self.settings["num_inference_steps"]))
-        shift = batch.get("sigma_shift", self.settings["sigma_shift"])
-        if int(steps) != int(self.settings["num_inference_steps"]) or _scalar(shift) != self.settings["sigma_shift"]:
-            raise RunnerError(f"this artifact was exported for {self.settings['num_inference_steps']} steps at shift "
-                              f"{self.settings['sigma_shift']}; the batch asks for {steps} at {shift}",
+        """Per-call options LeRobot reads from the batch (mf:299-314) that would need another export."""
+        steps, shift = batch.get("num_inference_steps"), batch.get("sigma_shift")
+        exported_steps, exported_shift = self.settings["num_inference_steps"], self.settings["effective_sigma_shift"]
+        if (steps is not None and int(_scalar(steps)) != int(exported_steps)) or \
+                (shift is not None and float(_scalar(shift)) != float(exported_shift)):
+            raise RunnerError(f"this artifact was exported for {exported_steps} steps at shift {exported_shift}; the "
+                              f"batch asks for {steps} steps at shift {shift}",
                               "export with unit.options.num_inference_steps / sigma_shift set to the values wanted")
         if bool(batch.get("tiled", False)):
             raise RunnerError("tiled VAE encoding is not supported (LeRobot's Fast-WAM refuses it too)",
