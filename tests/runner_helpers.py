@@ -4,19 +4,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zoo import atomic, pipeline
+from zoo import pipeline
 from zoo.report import RunReport
+from zoo.run_folder import RunFolder
 
 
 def export_run(recipe, run_dir: Path) -> Path:
-    """The export's CPU steps into ``run_dir`` (the kernel preflight and the CPU check are left to the pipeline
-    tests; ``zoo.lower.lower_run`` runs the preflight before lowering); returns the checkpoint folder."""
-    report = RunReport(run_dir, recipe.to_dict())
-    atomic.write_text(Path(run_dir) / "recipe.yaml", recipe.to_yaml())  # zoo.lower reads it
+    """The export's CPU steps into ``run_dir`` (the CPU check, the policy check and the kernel preflight are left
+    to their own tests); returns the checkpoint folder."""
+    run = RunFolder(run_dir)
+    run.path.mkdir(parents=True, exist_ok=True)
+    report = RunReport(run.path, recipe.to_dict())
+    run.write_recipe(recipe)  # zoo.lower and zoo prompt read it
     with pipeline.source_environment(recipe, report):
-        checkpoint = pipeline.pull_step(recipe, run_dir, report)
-        unit = pipeline.build_step(checkpoint, recipe, run_dir, report)
-        programs, _ = pipeline.export_step(unit, recipe, run_dir, report)
+        checkpoint = pipeline.pull_step(recipe, run, report)
+        unit = pipeline.build_step(checkpoint, recipe, run, report)
+        programs, _ = pipeline.export_step(unit, recipe, run, report)
         rewritten = pipeline.rewrite_step(programs, recipe, report)
-    pipeline.save_step(rewritten, recipe, run_dir, report)
+    pipeline.save_step(rewritten, recipe, run, report)
+    run.write_report(report)
     return checkpoint.path

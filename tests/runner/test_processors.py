@@ -14,13 +14,15 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from zoo.runner.errors import RunnerError  # noqa: E402
+from zoo.errors import RunnerError  # noqa: E402
+from zoo.run_folder import RunFolder  # noqa: E402
 from zoo.runner.processors import load_pipeline, load_processors  # noqa: E402
 
 pytestmark = pytest.mark.policies
 
 
-def lerobot_pipelines(tmp_path, norm_map, stats, toggle=()):
+def lerobot_pipelines(folder, norm_map, stats, toggle=()):
+    """LeRobot's pipelines, saved into ``folder`` (a run folder's processors/) and loaded back from it."""
     from lerobot.configs.types import FeatureType, NormalizationMode, PolicyFeature
     from lerobot.policies.fastwam.processor_fastwam import FastWAMActionToggleProcessorStep
     from lerobot.processor import (AddBatchDimensionProcessorStep, DeviceProcessorStep, NormalizerProcessorStep,
@@ -40,13 +42,13 @@ def lerobot_pipelines(tmp_path, norm_map, stats, toggle=()):
         post_steps.append(FastWAMActionToggleProcessorStep(toggle_dimensions=list(toggle)))
     post_steps.append(DeviceProcessorStep(device="cpu"))
     pre, post = make_policy_processor_pipelines(input_steps=pre_steps, output_steps=post_steps)
-    pre.save_pretrained(tmp_path)
-    post.save_pretrained(tmp_path)
+    pre.save_pretrained(folder)
+    post.save_pretrained(folder)
     # Loaded back from the files, as LeRobot's factory does for a checkpoint.
-    pre = PolicyProcessorPipeline.from_pretrained(tmp_path, config_filename="policy_preprocessor.json")
+    pre = PolicyProcessorPipeline.from_pretrained(folder, config_filename="policy_preprocessor.json")
     from lerobot.processor.converters import policy_action_to_transition, transition_to_policy_action
 
-    post = PolicyProcessorPipeline.from_pretrained(tmp_path, config_filename="policy_postprocessor.json",
+    post = PolicyProcessorPipeline.from_pretrained(folder, config_filename="policy_postprocessor.json",
                                                    to_transition=policy_action_to_transition,
                                                    to_output=transition_to_policy_action)
     return pre, post
@@ -74,12 +76,16 @@ def stats(generator):
 def test_pipelines_match_lerobot(tmp_path, state_mode, action_mode, visual_mode):
     g = torch.Generator().manual_seed(3)
     norm_map = {"STATE": state_mode, "ACTION": action_mode, "VISUAL": visual_mode}
-    pre, post = lerobot_pipelines(tmp_path, norm_map, stats(g), toggle=(-1,))
-    ours_pre, ours_post = load_processors(tmp_path, "cpu")
+    run = RunFolder(tmp_path)
+    pre, post = lerobot_pipelines(run.processors_dir, norm_map, stats(g), toggle=(-1,))
+    ours_pre, ours_post = load_processors(run, "cpu")
+    # A per-call option and a precomputed context: LeRobot's batch_to_transition drops both.
     obs = {"observation.state": torch.randn(5, generator=g), "observation.images.cam": torch.rand(3, 4, 6, generator=g),
-           "task": "pick the cup"}
+           "task": "pick the cup", "seed": 3, "context": torch.ones(2)}
     want = pre(dict(obs))
     got = ours_pre(dict(obs))
+    kept = {k for k in want if k.startswith("observation.") or k == "task"}
+    assert set(got) == kept == {"observation.state", "observation.images.top", "task"}
     for key in ("observation.state", "observation.images.top"):
         assert got[key].shape == want[key].shape
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=0)
@@ -99,8 +105,9 @@ def test_unknown_step_is_refused(tmp_path):
 
 def test_missing_state_file_is_refused(tmp_path):
     g = torch.Generator().manual_seed(0)
-    lerobot_pipelines(tmp_path, {"STATE": "MEAN_STD", "ACTION": "MEAN_STD", "VISUAL": "IDENTITY"}, stats(g))
-    for path in tmp_path.glob("policy_preprocessor_step_*.safetensors"):
+    run = RunFolder(tmp_path)
+    lerobot_pipelines(run.processors_dir, {"STATE": "MEAN_STD", "ACTION": "MEAN_STD", "VISUAL": "IDENTITY"}, stats(g))
+    for path in run.processors_dir.glob("policy_preprocessor_step_*.safetensors"):
         path.unlink()
     with pytest.raises(RunnerError, match="missing"):
-        load_pipeline(tmp_path / "policy_preprocessor.json", "cpu")
+        load_pipeline(run.preprocessor_file, "cpu")

@@ -41,7 +41,8 @@ from lerobot.policies.fastwam.wan.components import WAN22_DIFFUSERS_MODEL_ID
 from ..errors import ExportError, PullError, RecipeError
 from ..hub_cache import hub_environment, put_in_cache
 from ..recipes import Recipe
-from .base import ExportUnit, InputSpec, MethodSpec
+from ..runner.prompt import PromptEmbedding
+from .base import ExportUnit, InputSpec, MethodSpec, feature_record
 from .tiny_wan import tiny_wan22_vae
 
 FAMILY = "fast_wam"
@@ -481,6 +482,9 @@ def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
         "action_dim": action_dim,
         "proprio_dim": proprio_dim,
         "image_size": [image_h, image_w],
+        # What the policy reads from an observation batch (its config's input_features): the runner's
+        # observation keys, and what the policy check draws its synthetic observations from.
+        "observation_features": feature_record(config.input_features),
         "image_features": {k: list(v.shape) for k, v in sorted(config.image_features.items())},
         "image_layout": "cameras resized and concatenated on width in sorted key order, pixels in [0, 1]; "
                         "the VAE input is 2 * image - 1",
@@ -631,8 +635,6 @@ def lerobot_policy(checkpoint_dir: Path, recipe: Recipe, device: str = "cpu"):
 def embed_prompt(policy: FastWAMPolicy, task: str):
     """What ``python -m zoo prompt`` writes for Fast-WAM: LeRobot's ``encode_prompt`` of the task in the
     policy's prompt template (modeling_fastwam._prompt_from_batch), as a ``zoo.runner.PromptEmbedding``."""
-    from ..runner.prompt import PromptEmbedding
-
     text = policy.config.prompt_template.format(task=task)
     with torch.no_grad():
         context, mask = policy.model.encode_prompt(text)

@@ -28,7 +28,8 @@ import torch
 
 from ..errors import ExportError, PullError, RecipeError
 from ..recipes import Recipe
-from .base import ExportUnit, InputSpec, MethodSpec
+from ..runner.prompt import PromptEmbedding
+from .base import ExportUnit, InputSpec, MethodSpec, feature_record
 from . import lingbot_va_vae as vae_stream
 from .lingbot_va_pool import PoolStep, zero_pools
 from .tiny_wan import Z_DIM, tiny_wan22_vae
@@ -321,6 +322,9 @@ def _host_settings(policy: LingBotVAPolicy, layout: _Layout, recipe: Recipe) -> 
             "text_dim": cfg.text_dim,
             "frozen_components": cfg.wan_pretrained_path,  # vae/, text_encoder/ (UMT5), tokenizer/
         },
+        # What the policy reads from an observation batch (its config's input_features): the runner's
+        # observation keys, and what the policy check draws its synthetic observations from.
+        "observation_features": feature_record(cfg.input_features),
         "cameras": {
             "keys": list(cfg.obs_cam_keys),
             "layout": cfg.camera_layout,
@@ -493,8 +497,6 @@ def lerobot_policy(checkpoint_dir: Path, recipe: Recipe, device: str = "cpu"):
 def embed_prompt(policy: LingBotVAPolicy, task: str):
     """What ``python -m zoo prompt`` writes for LingBot-VA: LeRobot's own ``_encode_prompt`` of the task
     (UMT5, padded to max_sequence_length) and, when the policy runs CFG, of the empty negative prompt."""
-    from ..runner.prompt import PromptEmbedding
-
     policy._ensure_frozen_modules()
     with torch.no_grad():
         prompt, negative = policy._encode_prompt(task or "")

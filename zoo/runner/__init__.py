@@ -1,16 +1,21 @@
 """The deploy side: a policy's host loop around the artifact's methods, with LeRobot's policy interface.
 
+    import zoo.runner
     runner = zoo.runner.load("runs/fast-wam-tiny")          # or a published repo id; backend="artifact" on a GPU
-    runner.load_prompt("pick_bowl.prompt.safetensors")      # python -m zoo prompt RUN_DIR "pick up the bowl" -o ...
-    action = runner.select_action(observation)              # LeRobot's observation dict in, an action out
+    runner.reset()
+    action = runner.select_action(batch)                    # LeRobot's observation dict in, an action out
+
+Prompt embeddings come from ``python -m zoo prompt RUN_DIR "task" [-o FILE]``: files in the run folder's
+``prompts/`` are loaded with the runner, others with ``runner.load_prompt(FILE)``.
 
 Imports torch, safetensors and huggingface_hub only: no lerobot, transformers or diffusers.
 """
 
 from __future__ import annotations
 
-from .base import PolicyRunner, load
-from .errors import RunnerError
+from ..errors import RunnerError
+from .base import PolicyRunner
+from .loading import BACKENDS, load, runner_families
 from .prompt import PromptEmbedding
 
-__all__ = ["PolicyRunner", "PromptEmbedding", "RunnerError", "load"]
+__all__ = ["BACKENDS", "PolicyRunner", "PromptEmbedding", "RunnerError", "load", "runner_families"]

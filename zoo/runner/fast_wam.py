@@ -15,13 +15,18 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..errors import RunnerError
 from .base import Batch, PolicyRunner
-from .errors import RunnerError
 from .processors import OBS_IMAGES_PREFIX, OBS_STATE
 
 
 class FastWAMRunner(PolicyRunner):
     policy_type = "fastwam"
+    family = "fast_wam"
+
+    @classmethod
+    def episode_steps(cls, settings: Dict[str, Any], chunks: int) -> int:
+        return int(chunks) * int(settings["n_action_steps"]) + 1  # every chunk is n_action_steps long
 
     def _configure(self) -> None:
         s, run = self.settings, self.run

@@ -24,13 +24,20 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..errors import RunnerError
 from ..policies.lingbot_va_pool import HostSlotAllocator
 from .base import Batch, PolicyRunner
-from .errors import RunnerError
 
 
 class LingBotVARunner(PolicyRunner):
     policy_type = "lingbot_va"
+    family = "lingbot_va"
+
+    @classmethod
+    def episode_steps(cls, settings: Dict[str, Any], chunks: int) -> int:
+        # The first chunk drops its conditioning frame's actions ((F - 1) x apf), later ones are F x apf long.
+        frames, apf = int(settings["frame_chunk_size"]), int(settings["action"]["action_per_frame"])
+        return (frames - 1) * apf + (int(chunks) - 1) * frames * apf + 1
 
     def _configure(self) -> None:
         s = self.settings

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+from safetensors.torch import load_file
 
-from .errors import RunnerError
+from ..errors import RunnerError
+from ..run_folder import RunFolder
 
 OBS_PREFIX = "observation."
 OBS_STATE = "observation.state"
@@ -25,8 +27,6 @@ OBS_ENV_STATE = "observation.environment_state"
 OBS_IMAGE = "observation.image"
 OBS_IMAGES_PREFIX = "observation.images."
 ACTION = "action"
-PREPROCESSOR = "policy_preprocessor.json"
-POSTPROCESSOR = "policy_postprocessor.json"
 
 Batch = Dict[str, Any]
 
@@ -226,15 +226,34 @@ STEPS: Dict[str, Callable[..., Step]] = {
 }
 
 
-class Pipeline:
-    """A processor pipeline file, loaded; ``pipeline(batch)`` runs its steps in order."""
+# lerobot/processor/converters.py ``_COMPLEMENTARY_KEYS``: the keys besides observation.* and action that a
+# policy preprocessor carries through (batch_to_transition keeps these and *_is_pad keys, and drops the rest).
+COMPLEMENTARY_KEYS = ("task", "index", "task_index", "episode_index", "timestamp", "language_persistent",
+                      "language_events", "messages", "message_streams", "target_message_indices")
 
-    def __init__(self, steps: List[Step], names: List[str], path: Optional[Path] = None):
+
+def transition_keys(batch: Batch) -> Batch:
+    """What survives LeRobot's ``batch_to_transition`` / ``transition_to_batch`` round trip around a policy
+    preprocessor: observation.* keys, the action, the complementary keys and padding flags. Anything else
+    (a per-call option such as ``seed``, a precomputed ``context``) is dropped, as LeRobot drops it; pass it with
+    ``processors=False`` and apply ``runner.preprocessor`` yourself, as in LeRobot's own loop."""
+    return {k: v for k, v in batch.items()
+            if k.startswith(OBS_PREFIX) or k == ACTION or k in COMPLEMENTARY_KEYS or "_is_pad" in k}
+
+
+class Pipeline:
+    """A processor pipeline file, loaded; ``pipeline(batch)`` runs its steps in order. A preprocessor
+    (``batches=True``) first keeps only the keys LeRobot's pipeline carries (``transition_keys``)."""
+
+    def __init__(self, steps: List[Step], names: List[str], path: Optional[Path] = None, batches: bool = False):
         self.steps = steps
         self.names = names
         self.path = path
+        self.batches = batches
 
     def __call__(self, batch: Batch) -> Batch:
+        if self.batches:
+            batch = transition_keys(batch)
         for step in self.steps:
             batch = step(batch)
         return batch
@@ -244,10 +263,9 @@ class Pipeline:
         return self({ACTION: action})[ACTION]
 
 
-def load_pipeline(path: Path, device: str) -> Pipeline:
-    """Read one pipeline file (and its steps' state files beside it)."""
-    from safetensors.torch import load_file
-
+def load_pipeline(path: Path, device: str, batches: bool = False) -> Pipeline:
+    """Read one pipeline file (and its steps' state files beside it); ``batches``: a preprocessor, which takes
+    observation batches (see ``Pipeline``)."""
     path = Path(path)
     if not path.is_file():
         raise RunnerError(f"{path} is missing", "the run folder's processors/ must hold the checkpoint's "
@@ -272,10 +290,9 @@ def load_pipeline(path: Path, device: str) -> Pipeline:
             stats = load_file(str(state))
         steps.append(STEPS[name](entry.get("config") or {}, stats, device))
         names.append(name)
-    return Pipeline(steps, names, path)
+    return Pipeline(steps, names, path, batches=batches)
 
 
-def load_processors(folder: Path, device: str):
+def load_processors(run: RunFolder, device: str):
     """``(preprocessor, postprocessor)`` from a run folder's ``processors/``."""
-    folder = Path(folder)
-    return load_pipeline(folder / PREPROCESSOR, device), load_pipeline(folder / POSTPROCESSOR, device)
+    return load_pipeline(run.preprocessor_file, device, batches=True), load_pipeline(run.postprocessor_file, device)

@@ -1,4 +1,4 @@
-"""Prompt embedding files: what ``python -m zoo prompt RUN_DIR "text" -o FILE`` writes and the runner loads.
+"""Prompt embedding files: what ``python -m zoo prompt RUN_DIR "text" [-o FILE]`` writes and the runner loads.
 
 The UMT5-XXL text encoder (5.68 B parameters, 11.4 GB in bf16) runs once per prompt, eagerly, on a
 workstation; the robot gets its output only (a [1, L, 4096] bf16 context: 4 MB at LingBot-VA's 512 tokens,
@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Dict
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from .. import atomic
-from .errors import RunnerError
+from ..errors import RunnerError
 
 FORMAT = "zoo-prompt-1"
 
@@ -30,10 +32,9 @@ class PromptEmbedding:
         self.text = text or task  # what the text encoder saw (a policy may wrap the task in a template)
 
     def save(self, path: Path) -> Path:
-        from safetensors.torch import save_file
-
         meta = {"format": FORMAT, "task": self.task, "text": self.text, "policy_type": self.policy_type}
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         with atomic.atomic_path(path) as tmp:
             save_file({k: v.detach().contiguous().cpu() for k, v in self.tensors.items()}, str(tmp),
                       metadata={"zoo": json.dumps(meta)})
@@ -41,20 +42,18 @@ class PromptEmbedding:
 
     @classmethod
     def load(cls, path: Path) -> "PromptEmbedding":
-        from safetensors import safe_open
-
         path = Path(path)
         if not path.is_file():
             raise RunnerError(f"prompt embedding file {path} does not exist",
-                              'compute it with: python -m zoo prompt RUN_DIR "task text" -o FILE')
+                              'compute it with: python -m zoo prompt RUN_DIR "task text" [-o FILE]')
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = json.loads((f.metadata() or {}).get("zoo", "{}"))
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
         except Exception as exc:  # safetensors raises its own error types for a damaged header
             raise RunnerError(f"{path} is not a zoo prompt embedding file: {exc}",
-                              'compute it again with: python -m zoo prompt RUN_DIR "task text" -o FILE') from None
+                              'compute it again with: python -m zoo prompt RUN_DIR "task text" [-o FILE]') from None
         if meta.get("format") != FORMAT:
             raise RunnerError(f"{path} is not a zoo prompt embedding file (format {meta.get('format')!r})",
-                              'compute it with: python -m zoo prompt RUN_DIR "task text" -o FILE')
+                              'compute it with: python -m zoo prompt RUN_DIR "task text" [-o FILE]')
         return cls(meta["task"], meta["policy_type"], tensors, meta.get("text", ""))
