@@ -8,7 +8,6 @@ after the same ``torch.manual_seed``.
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -16,8 +15,12 @@ import torch
 
 pytest.importorskip("lerobot")
 
+from zoo.errors import PolicyCheckFailed  # noqa: E402
+from zoo.policy_check import policy_check_step  # noqa: E402
 from zoo.recipes import load_recipe  # noqa: E402
-from zoo.runner import RunnerError, load  # noqa: E402
+from zoo.report import RunReport  # noqa: E402
+from zoo.run_folder import RunFolder  # noqa: E402
+from zoo.runner import PromptEmbedding, RunnerError, load  # noqa: E402
 from zoo.runner.check import ProcessedPolicy, compare_episode, run_episode  # noqa: E402
 from zoo.tiny_hub import fabricated_hub  # noqa: E402
 
@@ -28,16 +31,13 @@ lingbot_va = pytest.importorskip("zoo.policies.lingbot_va")
 pytestmark = pytest.mark.policies
 
 TINY = "lingbot-va-tiny"
-# The recipe's DiT steps plus the streaming VAE methods the runner needs (not yet in the recipe: the family's
-# own tests build the tiny unit without the frozen VAE repo at hand).
-WITH_VAE = ["unit.methods=[video_step,action_step,vae_encode_first,vae_encode]"]
 TASK = "pick up the bowl"
 STEPS = 12 + 16 + 16 + 1  # three chunks and the first action of a fourth
 
 
 @pytest.fixture(scope="module")
 def recipe():
-    return load_recipe(TINY, WITH_VAE)
+    return load_recipe(TINY)
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +84,32 @@ def test_policy_check_three_chunks(run, prompt_file, observations, expected):
     assert float((first - second).norm() / first.norm()) > 1e-2
 
 
-def test_perturbed_video_schedule_is_caught(run, prompt_file, observations, expected, tmp_path):
-    broken = tmp_path / "broken"
-    shutil.copytree(run[0], broken)
-    settings = json.loads((broken / "host_settings.json").read_text())
+def broken_run(run_dir, dest):
+    """A copy of the run with one video sigma of host_settings.json off by 1%."""
+    shutil.copytree(run_dir, dest)
+    settings = RunFolder(dest).read_host_settings()
     settings["scheduler"]["video"]["sigmas"][5] *= 1.01
-    (broken / "host_settings.json").write_text(json.dumps(settings))
+    RunFolder(dest).write_host_settings(settings)
+    return dest
+
+
+def test_perturbed_video_schedule_is_caught(run, prompt_file, observations, expected, tmp_path):
+    broken = broken_run(run[0], tmp_path / "broken")
     result = compare_episode(runner_for(broken, prompt_file), expected[:12], observations[:12], seed=0, min_chunks=1)
     assert not result.ok and result.rows[0].rel_l2 > 1e-5, result.table()
+
+
+def test_policy_check_stage_fails_on_a_perturbed_video_schedule(recipe, run, tmp_path):
+    """The pipeline's own stage over 3 chunks of seeded synthetic observations: a 1% error in one sigma fails it
+    with a table; the same stage on the run as exported passes (test_policy_check_three_chunks is the same
+    comparison on hand-made observations)."""
+    broken = broken_run(run[0], tmp_path / "broken")
+    report = RunReport(broken, recipe.to_dict())
+    with fabricated_hub(recipe), pytest.raises(PolicyCheckFailed) as info:
+        policy_check_step(RunFolder(broken), recipe, report, where="cpu", checkpoint=run[1])
+    assert "FAIL: relative L2" in info.value.message
+    rows = report.get("policy_check")["cpu"]["rows"]
+    assert [r["steps"] for r in rows] == [12, 16, 16, 1] and not rows[0]["ok"]
 
 
 def test_missing_camera_is_refused(run, prompt_file, observations):
@@ -103,8 +121,6 @@ def test_missing_camera_is_refused(run, prompt_file, observations):
 
 
 def test_prompt_without_negative_is_refused_under_cfg(run, prompt_file, observations, tmp_path):
-    from zoo.runner import PromptEmbedding
-
     prompt = PromptEmbedding.load(prompt_file)
     del prompt.tensors["negative_prompt_embeds"]
     runner = load(run[0])
