@@ -68,6 +68,15 @@ class RuntimeNotBuilt(ZooError):
 class RuntimeCallFailed(ZooError):
     """ExecuTorch's C++ runtime could not load the artifact or a call failed; its log says why."""
 
+
+class RunnerError(ZooError):
+    """zoo.runner cannot drive this artifact with this input: a missing run-folder file, an unknown processor
+    step, an observation or option the policy's own code would treat differently than the runner can."""
+
+
+class PolicyCheckFailed(ZooError):
+    """The runner's actions differ from the LeRobot policy's own, beyond the recipe's policy_check tolerance."""
+
     exit_code = 3
 
 
