@@ -1,7 +1,6 @@
 """zoo/runtime_check.py (what scripts/gpu_runtime_check.py reports) on the CPU: the summary table of a
-two-runtime verification from hand-made rows (worked by hand), the LingBot-VA KV pool sequence on the fake
-runner against a hand-worked chain. The GPU paths themselves
-run on the GPU box (docs/runtime.md)."""
+two-runtime verification from hand-made rows (worked by hand), and the LingBot-VA KV pool sequence on the
+fake runner against a hand-worked chain. The GPU paths themselves run on the GPU box (docs/runtime.md)."""
 
 from __future__ import annotations
 
