@@ -96,8 +96,10 @@ def pool_run(tmp_path_factory):
     (d / "io_spec.json").write_text(json.dumps({"methods": {m: {"inputs": specs, "outputs": ["readout", "pool_next"]}
                                                             for m in SCALES}, "dynamic": {}}))
     (d / "model.pte").write_bytes(b"stands in for the program; the fake runs exported.*.pt2")
-    recipe = SimpleNamespace(name="pool-toy", unit=SimpleNamespace(methods=list(SCALES), dtype="float32"),
-                             dynamic={}, verify=SimpleNamespace(seeds=[0], sizes={}, tolerance=Tolerance()))
+    # a method that keeps no pool (LingBot-VA's VAE encodes) stays out of the sequence
+    unit = SimpleNamespace(methods=["vae_encode", *SCALES], dtype="float32")
+    recipe = SimpleNamespace(name="pool-toy", unit=unit, dynamic={},
+                             verify=SimpleNamespace(seeds=[0], sizes={}, tolerance=Tolerance()))
     return d, recipe
 
 

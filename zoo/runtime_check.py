@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import torch
 
 from . import et_runtime, verify
 from .policies.base import InputSpec
 from .run_folder import RunFolder
+
+# LingBot-VA's two DiT methods, which read and write the one KV pool (the "io" layout hands it over via the host)
+POOL_METHODS = ("video_step", "action_step")
 
 
 def summary_rows(recipe_name: str, verification: Dict[str, Any]) -> List[List[Any]]:
@@ -63,12 +66,15 @@ def result_passed(res: Dict[str, Any]) -> bool:
 
 
 def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str = "cuda",
-                  require_cuda: bool = True) -> Dict[str, Any]:
+                  require_cuda: bool = True, methods: Sequence[str] = POOL_METHODS) -> Dict[str, Any]:
     """video_step/action_step alternating, each call's ``X_next`` outputs fed to the next call's ``X`` inputs,
     in one zoo_runner process; the exported programs run eagerly with the same feeding are the reference."""
     io_spec = run.read_io_spec()
     per_method = io_spec.get("methods", io_spec)
-    methods = list(recipe.unit.methods)
+    # the methods that share the pool, alternating; the recipe's other methods (the VAE encodes) keep no pool
+    methods = [m for m in methods if m in recipe.unit.methods]
+    if len(methods) < 2:
+        return {"skipped": f"{recipe.name}: not both of {', '.join(POOL_METHODS)} among its methods"}
     specs = {m: [InputSpec(**d) for d in per_method[m]["inputs"]] for m in methods}
     outputs = {m: list(per_method[m]["outputs"]) for m in methods}
     # input i of method m takes the previous call's output named "<input name>_next" (k_pool <- k_pool_next)
