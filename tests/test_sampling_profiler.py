@@ -140,3 +140,21 @@ def test_the_script_runs_with_its_arguments_and_exit_code(tmp_path):
 def test_bad_settings_are_refused(tmp_path, kwargs):
     with pytest.raises(ValueError):
         SamplingProfiler(Path(tmp_path / "x"), **kwargs)
+
+
+def test_the_report_ends_with_inductor_phase_timers_once_torch_recorded_some(tmp_path):
+    from torch._dynamo.utils import compilation_time_metrics, dynamo_timed
+
+    with dynamo_timed("zoo_test_phase"):
+        pass
+    with dynamo_timed("zoo_test_phase"):
+        pass
+    try:
+        profiler = SamplingProfiler(tmp_path / "p.txt")
+        profiler.write()
+        text = (tmp_path / "p.txt").read_text()
+        assert "## compile phases" in text
+        line = next(ln for ln in text.splitlines() if ln.endswith("zoo_test_phase"))
+        assert line.split()[1] == "2"  # two calls, summed
+    finally:
+        compilation_time_metrics.pop("zoo_test_phase", None)

@@ -6,7 +6,10 @@ A daemon thread wakes every ``interval`` seconds, reads the watched thread's cur
 Every ``flush_every`` seconds, and on exit, it rewrites ``out`` (atomically) with the tables: a job killed by
 its time limit still leaves the profile up to the last flush. The report also samples the process's CPU
 time (its own and its finished children's) and the load average, which say whether the job used more
-than one core: compile workers are other processes, which this sampler does not see.
+than one core: compile workers are other processes, which this sampler does not see. Where the job has
+imported torch, the report ends with Inductor's own phase timers (``torch._dynamo.utils
+.compilation_time_metrics``: Scheduler.__init__, CppWrapperGpu.generate, AotCodeCompiler.compile,
+<name>_template_autotuning, ...), exact where the sampler is statistical; this module never imports torch.
 
     with SamplingProfiler("profile.txt"):
         lower(...)
@@ -168,10 +171,27 @@ class SamplingProfiler:
             lines.append(_table("section", sections, samples, self.interval, self.top))
         lines.append(_table("cumulative (on the stack)", cumulative, samples, self.interval, self.top))
         lines.append(_table("self (innermost frame)", self_counts, samples, self.interval, self.top))
+        phases = compile_phase_times()
+        if phases:
+            lines.append(phases)
         return "\n".join(lines)
 
     def write(self) -> None:
         atomic.write_text(self.out, self.report())
+
+
+def compile_phase_times(top: int = 40) -> str:
+    """Inductor's phase timers so far (``dynamo_timed`` records every phase's duration in
+    ``torch._dynamo.utils.compilation_time_metrics``), summed per phase: "" where torch was not imported."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    metrics = getattr(utils, "compilation_time_metrics", None) if utils is not None else None
+    if not metrics:
+        return ""
+    rows = sorted(((sum(v), len(v), k) for k, v in list(metrics.items()) if v), reverse=True)[:top]
+    out = ["## compile phases (torch._dynamo.utils.compilation_time_metrics; phases nest, so shares overlap)",
+           f"{'seconds':>9} {'calls':>6}  phase"]
+    out += [f"{total:9.1f} {calls:6d}  {key}" for total, calls, key in rows]
+    return "\n".join(out) + "\n"
 
 
 def _table(title: str, counts: Counter, samples: int, interval: float, top: int) -> str:
