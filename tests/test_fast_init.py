@@ -135,7 +135,7 @@ def test_a_class_without_its_own_init_is_restored_as_it_was():
 @pytest.mark.parametrize("change, message", [
     (lambda sd: sd.pop("model.head.bias"), "Missing key(s) in state_dict: \"model.head.bias\""),
     (lambda sd: sd.update(extra=torch.zeros(2)), "Unexpected key(s) in state_dict: \"extra\""),
-    (lambda sd: sd.update({"aux.weight": torch.zeros(5, 4)}), "size mismatch for aux.weight"),
+    (lambda sd: sd.update({"aux.weight": torch.zeros(5, 4)}), "shape mismatch for aux.weight"),
 ])
 def test_strict_load_names_what_does_not_fit(tmp_path, change, message):
     donor = Policy()

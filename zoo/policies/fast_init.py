@@ -11,9 +11,8 @@ and initialises its 30 blocks twice), and the float32 draft holds 2x the bf16 we
 * every parameter registered while an instance of one of ``module_classes`` is being constructed is made on
   the meta device: shape, dtype and ``requires_grad`` as built, no storage, so the init calls on it do
   nothing, and the moves and casts the constructors make (``.to(device=cpu, dtype=bfloat16)``) only change
-  its dtype. Buffers and plain
-  tensor attributes (rope frequency tables, scheduler tables) are computed exactly as before: no checkpoint
-  stores them. Modules outside those classes (the frozen VAE that Fast-WAM's constructor loads with
+  its dtype. Buffers and plain tensor attributes (rope frequency tables, scheduler tables) are computed
+  exactly as before: no checkpoint stores them. Modules outside those classes (the frozen VAE that Fast-WAM's constructor loads with
   diffusers' own loader) are built exactly as before;
 * ``policy_cls._load_as_safetensor``, the classmethod through which ``from_pretrained`` reads the file, is
   ``load_weights``: each tensor of the file cast to the dtype its parameter was built in and put in its
@@ -48,13 +47,11 @@ FILL_CHUNK = 1 << 22
 _building = threading.local()  # .depth: how many module_classes constructors are running on this thread
 _seed: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("zoo_fast_init_seed", default=None)
 _MISSING = object()
+_MARK = "_zoo_built_on_meta"  # set on the parameters made here (and on the _apply functions already wrapped)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # construction
-
-
-_MARK = "_zoo_built_on_meta"
 
 
 def _meta_parameter(param: nn.Parameter) -> nn.Parameter:
@@ -219,7 +216,7 @@ def load_weights(module: nn.Module, path: Union[str, Path], *, strict: bool = Tr
         if unexpected:
             parts.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{n}"' for n in unexpected))
         if mismatched:
-            parts.append("size mismatch for " + "; ".join(mismatched))
+            parts.append("shape mismatch for " + "; ".join(mismatched))
         raise RuntimeError("\n\t".join(parts))
     made: Dict[int, torch.Tensor] = {}  # one new tensor per target object: keeps ties tied
     assigned: Dict[str, torch.Tensor] = {}
