@@ -21,6 +21,10 @@ Variants (each changes one thing against ``baseline``, zoo's lowering as it is):
                      `nvcc -fatbin` (serial in AotCodeCompiler.compile); the .so then carries sm_XX SASS only,
                      no PTX (this measures the serial nvcc loop; a parallel loop keeps the PTX)
   mm_configs_6       lowering.max_mm_configs=6: at most 6 Triton GEMM configs autotuned per shape
+  gemm_only_tuning   max_autotune off, max_autotune_gemm on (CudaBackend's options set max_autotune): GEMM
+                     templates still autotuned, but pointwise/reduction kernels keep Inductor's heuristic
+                     config lists instead of benchmarking every config (triton_heuristics.py:2866-2880,
+                     3225-3232, 3645-3652)
   all_safe           no_epilogue_bench + wrapper_o0 together
 
 Weights are seeded (zoo.policies.fast_init), so every variant lowers the same program. Layers scale the
@@ -47,8 +51,9 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "baseline": {},
     "no_epilogue_bench": {"env": {"TORCHINDUCTOR_BENCHMARK_EPILOGUE_FUSION": "0"}},
     "wrapper_o0": {"env": {"AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL": "O0", "TORCHINDUCTOR_VEC_ISA_OK": "0"}},
-    "single_arch": {"single_arch": True},
+    "single_arch": {"options": {"aot_inductor.emit_multi_arch_kernel": False}},
     "mm_configs_6": {"max_mm_configs": 6},
+    "gemm_only_tuning": {"options": {"max_autotune": False, "max_autotune_gemm": True}},
     "all_safe": {"env": {"TORCHINDUCTOR_BENCHMARK_EPILOGUE_FUSION": "0", "AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL": "O0",
                          "TORCHINDUCTOR_VEC_ISA_OK": "0"}},
 }
@@ -113,7 +118,8 @@ def run_child(args) -> int:
     from zoo.sampling_profiler import SamplingProfiler, compile_phase_times
 
     record: Dict[str, Any] = {"variant": args.child, "layers": args.layers, "method": args.method,
-                              "env": spec.get("env", {}), "status": "started"}
+                              "env": spec.get("env", {}), "options": spec.get("options", {}),
+                              "max_mm_configs": spec.get("max_mm_configs"), "status": "started"}
     with SamplingProfiler(out / "profile.txt", title=f"lowering_levers {args.child}") as prof:
         t0 = time.perf_counter()
         with prof.section("build+export+rewrite"):
@@ -132,15 +138,16 @@ def run_child(args) -> int:
         from zoo.verify import run_in_delegate_order
 
         patch_options = None
-        if spec.get("single_arch"):
+        if spec.get("options"):  # CudaBackend passes its options to aot_compile, over any outer config patch
             from executorch.backends.cuda.cuda_backend import CudaBackend
 
             original = CudaBackend.__dict__["get_aoti_compile_options"]
+            changed = dict(spec["options"])
 
-            def single_arch_options(cls, compile_specs):
-                return {**original.__func__(cls, compile_specs), "aot_inductor.emit_multi_arch_kernel": False}
+            def variant_options(cls, compile_specs):
+                return {**original.__func__(cls, compile_specs), **changed}
 
-            CudaBackend.get_aoti_compile_options = classmethod(single_arch_options)
+            CudaBackend.get_aoti_compile_options = classmethod(variant_options)
             patch_options = (CudaBackend, original)
         compilation_time_metrics.clear()
         try:
@@ -185,7 +192,7 @@ def run_child(args) -> int:
 def table(records: List[Dict[str, Any]]) -> str:
     phases = ["Scheduler.__init__", "Scheduler.codegen", "CppWrapperGpu.generate", "AotCodeCompiler.compile",
               "compile_file", "benchmark_fused_nodes", "benchmark_codegened_module", "async_compile.wait",
-              "GraphLowering.run"]
+              "CachingAutotuner.benchmark_all_configs", "GraphLowering.run"]
     head = ["variant", "lower s", "kernels", "artifact ms", "eager ms", "rel L2 vs eager", "rel L2 vs baseline"]
     head += phases + ["autotuning (sum of *_template_autotuning)"]
     rows = [head]
