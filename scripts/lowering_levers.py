@@ -22,9 +22,9 @@ Variants (each changes one thing against ``baseline``, zoo's lowering as it is):
                      no PTX (this measures the serial nvcc loop; a parallel loop keeps the PTX)
   mm_configs_6       lowering.max_mm_configs=6: at most 6 Triton GEMM configs autotuned per shape
   gemm_only_tuning   max_autotune off, max_autotune_gemm on (CudaBackend's options set max_autotune): GEMM
-                     templates still autotuned, but pointwise/reduction kernels keep Inductor's heuristic
-                     config lists instead of benchmarking every config (triton_heuristics.py:2866-2880,
-                     3225-3232, 3645-3652)
+                     templates still autotuned, but reductions get Inductor's hint-filtered config list
+                     instead of benchmarking every candidate (runtime/triton_heuristics.py:3225-3232,
+                     3645-3652)
   all_safe           no_epilogue_bench + wrapper_o0 together
 
 Weights are seeded (zoo.policies.fast_init), so every variant lowers the same program. Layers scale the
