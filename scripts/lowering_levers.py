@@ -79,7 +79,9 @@ def build_method(layers: int, method: str):
     from zoo.policies import fast_init, lingbot_va
 
     recipe = brs.unit_recipe(brs.parse_unit("lingbot_va"), tiny=False)
-    recipe.unit.options["policy_config"]["num_layers"] = layers
+    options = recipe.unit.options  # a dict, or (families by convention) the family's options dataclass
+    policy_config = options["policy_config"] if isinstance(options, dict) else options.policy_config
+    policy_config["num_layers"] = layers
     recipe.unit.methods = [method]
     folder = brs.placeholder_checkpoint(lingbot_va._fabricated_config(recipe, lingbot_va._validate_recipe(recipe)),
                                         Path(tempfile.mkdtemp(prefix="levers-ckpt-")))
