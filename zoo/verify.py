@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from . import numerics
 from .aoti_runner import AotiRunner
-from .artifact import extract_method_files
+from .artifact import extract_method_files, reusable_method_files
 from .errors import NoGpuError, VerificationFailed
 from .policies.base import InputSpec
 from .report import format_table
@@ -296,7 +296,7 @@ def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional
     orders = {m: run.io_order(m) for m in methods}
     if not run.pte.exists():
         raise VerificationFailed(f"{run.pte} is missing", "lower the run first (`python -m zoo.lower RUN_DIR`)")
-    with shipped_runners(run.pte, run.ptd, methods, factory, device) as runners:
+    with shipped_runners(run.pte, run.ptd, methods, factory, device, so_dir=run.so_dir) as runners:
 
         def call_so(m: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
             return run_in_delegate_order(runners[m], orders[m], inputs)
@@ -329,13 +329,20 @@ def run_in_delegate_order(runner: Any, order: Dict[str, Any], inputs: Sequence[t
 
 @contextlib.contextmanager
 def shipped_runners(pte: Path, ptd: Path, methods: Sequence[str], factory: RunnerFactory,
-                    device: str) -> Iterator[Dict[str, Any]]:
-    """A runner per method over the bytes that ship: each method's .so and weights taken out of model.pte /
-    aoti_cuda_blob.ptd as they are on disk now (not the copies lowering left in so/), so a swapped or edited
-    file is what gets run. The extracted files live only while the runners are in use."""
-    shipped_dir = Path(tempfile.mkdtemp(prefix=".verify.tmp-", dir=pte.parent))
+                    device: str, so_dir: Optional[Path] = None) -> Iterator[Dict[str, Any]]:
+    """A runner per method over the bytes that ship: each method's .so and weights as model.pte /
+    aoti_cuda_blob.ptd hold them now, so a swapped or edited file is what gets run. With ``so_dir`` (the run
+    folder's ``so/``), the files extracted there are used while its stamp says they are these very .pte/.ptd
+    files' bytes, untouched (``artifact.reusable_method_files``: no second ~10 GB copy of a real-size blob);
+    otherwise only ``methods`` are extracted, a shared weights segment once, into a folder that lives only while
+    the runners are in use."""
+    ptd_there = ptd if ptd.exists() else None
+    shipped = reusable_method_files(pte, ptd_there, so_dir, methods) if so_dir is not None else None
+    shipped_dir = None
     try:
-        shipped = extract_method_files(pte, ptd if ptd.exists() else None, shipped_dir)
+        if shipped is None:
+            shipped_dir = Path(tempfile.mkdtemp(prefix=".verify.tmp-", dir=pte.parent))
+            shipped = extract_method_files(pte, ptd_there, shipped_dir, methods)
         runners = {}
         for m in methods:
             if m not in shipped:
@@ -344,7 +351,8 @@ def shipped_runners(pte: Path, ptd: Path, methods: Sequence[str], factory: Runne
             runners[m] = factory(m, shipped[m]["so"], shipped[m]["weights"], device)
         yield runners
     finally:
-        shutil.rmtree(shipped_dir, ignore_errors=True)
+        if shipped_dir is not None:
+            shutil.rmtree(shipped_dir, ignore_errors=True)
 
 
 def executorch_runtime(run_dir: Union[RunFolder, Path], device: str) -> Tuple[str, Optional[Callable]]:
