@@ -149,13 +149,13 @@ def _padded(tensor: torch.Tensor) -> bytes:
 def test_each_method_so_carries_the_plan_in_plan_order(lowered):
     plan = lowered["plan"]
     for method, part in lowered["parts"].items():
-        (table,) = part.record["constants"]  # one AOT compile per method
+        (table,) = part.record["constant_tables"]  # one AOT compile per method
         assert [row["fqn"] for row in table] == plan.fqns(), method
         assert all(row["planned"] for row in table)
-    added = {row["fqn"] for row in lowered["parts"]["b"].record["constants"][0] if row["added"]}
+    added = {row["fqn"] for row in lowered["parts"]["b"].record["constant_tables"][0] if row["added"]}
     assert {"u.head_a.weight", "u.head_a.bias", "u.scale"} <= added  # b's graph never reads them
     for method, part in lowered["parts"].items():  # the lifted constant reaches Inductor under another name
-        (table,) = part.record["constants"]
+        (table,) = part.record["constant_tables"]
         assert [(row["name"].startswith("_tensor_constant"), row["adopted"]) for row in table
                 if row["fqn"] == "u.table"] == [(True, True)], method
 
