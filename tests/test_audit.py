@@ -108,7 +108,7 @@ def test_library_built_here_with_cc(tmp_path):
 def test_audit_main_prints_json_and_exits_by_loadability(capsys):
     assert audit.audit_main([str(FIXTURES / "clean.so"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["releases"]["1.2"] == {"version": "1.2.0", "loadable": True, "missing": {}}
+    assert data["releases"]["1.2"] == {"version": "1.2.0", "loadable": True, "missing": {}, "caveats": []}
     assert audit.audit_main([str(FIXTURES / "float64.so")]) == 1
     assert "aoti_torch_dtype_float64" in capsys.readouterr().out
     assert audit.audit_main([str(FIXTURES / "float16.so"), "--require", "1.2"]) == 1
