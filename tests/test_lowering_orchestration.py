@@ -23,12 +23,11 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from zoo import artifact, audit, lowering, verify
-from zoo.aoti_runner import load_weights, promote_libtorch_global
 from zoo.policies.base import InputSpec
 from zoo.run_folder import RunFolder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
-from aoti_cpu_probe import PROBE_LOWERING  # noqa: E402
+from aoti_cpu_probe import PROBE_LOWERING, CpuRunner  # noqa: E402
 
 DIM = 64
 METHODS = ("observe", "act")
@@ -94,19 +93,6 @@ def run_folder(path: Path):
     for method, program in programs().items():
         run.save_program(program, "exported", method)
     return run, run.load_recipe()
-
-
-class CpuRunner:
-    """A method's shipped .so and weights blob in torch's AOTI CPU runner."""
-
-    def __init__(self, method, so, weights, device):
-        assert device == "cpu"
-        promote_libtorch_global()
-        self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(so), 1)
-        load_weights(self.runner, weights)
-
-    def run(self, inputs):
-        return list(self.runner.run([t.contiguous() for t in inputs]))
 
 
 def verified(run, recipe):
