@@ -133,10 +133,12 @@ def audit_step(run: RunFolder, recipe, report: RunReport) -> audit.AuditResult:
 
 
 def verify_step(run: RunFolder, recipe, report: RunReport, *,
-                runner_factory: Optional[RunnerFactory] = None) -> VerificationResult:
+                runner_factory: Optional[RunnerFactory] = None, **options: Any) -> VerificationResult:
+    """zoo's verification of the run's artifact, recorded as the "verify" stage (``options`` go to
+    ``verify.verify_artifact``: the device, references already in memory)."""
     with timed_stage(report, "verify", "verify the shipped .so files against eager on the GPU") as facts:
         try:
-            verified = verify_artifact(run, recipe, runner_factory=runner_factory)
+            verified = verify_artifact(run, recipe, runner_factory=runner_factory, **options)
         except VerificationFailed as exc:
             result = getattr(exc, "result", None)
             if result is not None:

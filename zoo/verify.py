@@ -27,7 +27,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils import _pytree as pytree
@@ -244,9 +244,16 @@ def _to_fp32(t: torch.Tensor) -> torch.Tensor:
 
 def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional[str] = None,
                     runner_factory: Optional[RunnerFactory] = None, raise_on_failure: bool = True,
-                    try_executorch: bool = True) -> VerificationResult:
+                    try_executorch: bool = True,
+                    references: Optional[Mapping[str, Mapping[str, Callable[..., Any]]]] = None
+                    ) -> VerificationResult:
     """Run each method's shipped .so against eager at every seed and size; ``VerificationFailed`` (carrying the
-    result as ``.result``) when any output is out of tolerance."""
+    result as ``.result``) when any output is out of tolerance.
+
+    ``references``: the eager references already in memory on ``device``, ``{"exported": {method: callable},
+    "reference_fp32": {method: callable}}`` (the unit's own modules and their float32 copy), instead of the
+    programs saved in the run folder: at real size those are ~10 GB (bf16) and ~20 GB (float32) per method,
+    more disk and load time than the run is worth. The same judgement applies either way."""
     start = time.perf_counter()
     run = RunFolder(run_dir)
     device = device or _default_device()
@@ -267,9 +274,12 @@ def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional
     cases = size_cases(io_spec, recipe)
 
     def run_all(runtime: str, call: Callable[[str, List[torch.Tensor]], List[torch.Tensor]]) -> List[Row]:
-        eager = {m: _eager_module(run.program("exported", m), device) for m in methods}
-        ref32 = ({m: _eager_module(run.program("reference_fp32", m), device) for m in methods}
-                 if low_precision else {})
+        def reference(kind: str, m: str):
+            given = (references or {}).get(kind) or {}
+            return given[m] if m in given else _eager_module(run.program(kind, m), device)
+
+        eager = {m: reference("exported", m) for m in methods}
+        ref32 = {m: reference("reference_fp32", m) for m in methods} if low_precision else {}
         rows: List[Row] = []
         seen = set()
         for seed in recipe.verify.seeds:
