@@ -61,6 +61,17 @@ class PublishRefused(ZooError):
     """zoo refuses to publish: unverified run, hash mismatch, no token, no write access."""
 
 
+class RunnerError(ZooError):
+    """zoo.runner cannot drive this artifact with this input: a missing run-folder file, an unknown processor
+    step, an observation or option the policy's own code would treat differently than the runner can."""
+
+
+class PolicyCheckFailed(ZooError):
+    """The runner's actions differ from the LeRobot policy's own, beyond the recipe's policy_check tolerance."""
+
+    exit_code = 3
+
+
 def first_line(error: Union[BaseException, str], limit: Optional[int] = None) -> str:
     """The first line of an error's message (a ``ZooError``'s message, without its hint), for a table cell or a
     one-line report entry; the error's type name when it says nothing. ``limit`` cuts longer lines with "..."."""

@@ -11,6 +11,8 @@ run folder, later or on another machine). None of them needs lerobot: everything
              stored once), so/<method>.so + weights blob + io.json (needs a GPU)
   audit      which ExecuTorch CUDA runtime releases can load each method's .so
   verify     the .so files against eager at every seed and size (needs a GPU)
+  policy check  the artifact runner against LeRobot's own select_action over a chunk sequence (zoo.policy_check;
+             needs lerobot, skipped with the reason where it is missing)
 A step that needs a GPU the machine lacks is recorded as skipped (``NoGpuError``), and so are the GPU stages
 after it.
 """
@@ -26,6 +28,7 @@ from . import audit, lowering, preflight
 from .artifact import PTD_NAME, PTE_NAME
 from .errors import KernelPreflightRefused, LoweringError, NoGpuError, VerificationFailed, first_line
 from .manifest import write_manifest
+from .policy_check import policy_check_step
 from .preflight import PreflightResult
 from .report import RunReport, timed_stage
 from .run_folder import RunFolder
@@ -53,6 +56,8 @@ def run_gpu_steps(run: RunFolder, recipe, report: RunReport, *, lower: bool = Tr
     audit_step(run, recipe, report)
     if verify:
         verify_step(run, recipe, report, runner_factory=runner_factory)
+        # The artifact driven as the policy drives its model, against LeRobot's own select_action on the GPU.
+        policy_check_step(run, recipe, report, where="gpu")
     report.record("status", "verified" if verify else "lowered")
     if verify:
         # Only a verified artifact gets a manifest, and publishing refuses a run without one.

@@ -61,12 +61,16 @@ class RunReport:
             + [[s["stage"], s["status"], "" if s.get("seconds") is None else f"{s['seconds']:.1f}", s.get("detail", "")]
                for s in self.stages]), ""]
         for section, title in (("rewrites", "Rewrites"), ("cpu_check", "CPU check against eager"),
-                               ("lowering", "Lowering"), ("audit", "Runtime audit"), ("verification", "Verification")):
+                               ("lowering", "Lowering"), ("audit", "Runtime audit"), ("verification", "Verification"),
+                               ("policy_check", "Policy check against LeRobot's select_action")):
             value = self.data.get(section)
             if value:
                 out += [f"## {title}", ""]
                 if isinstance(value, dict) and isinstance(value.get("table"), str):  # a step's own text table
                     out += ["```", value["table"], "```", ""]
+                for part in (value.values() if isinstance(value, dict) else ()):  # tables one level down
+                    if isinstance(part, dict) and isinstance(part.get("table"), str):
+                        out += ["```", part["table"], "```", ""]
                 out += ["```json", json.dumps(value, indent=2, default=str), "```", ""]
         return "\n".join(out)
 
