@@ -46,6 +46,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
@@ -168,12 +169,11 @@ def run(args) -> int:
     try:
         with progress.stage("build", seconds):
             spec = build_spec(recipe)
-            full = load_recipe(recipe_name)  # the family builds from the recipe as written
-            import tempfile
-
+            # The family builds the methods the recipe names: only the selected ones (no real-size VAE when
+            # only the DiT steps are asked for).
             with tempfile.TemporaryDirectory(prefix="zoo-real-size-build-") as work:
                 unit = pipeline.build_step(None, recipe, run_folder, report, build=lambda: bench_real_size.
-                                           selected_methods(bench_real_size.build_unit(spec, full, Path(work)),
+                                           selected_methods(bench_real_size.build_unit(spec, recipe, Path(work)),
                                                             methods))
             summary["parameter_bytes"] = parameter_bytes(unit)
         flush()
