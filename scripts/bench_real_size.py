@@ -13,9 +13,9 @@ Units (``NAME[:ARG]``):
 
 Weights: llama's checkpoint is fabricated by its family (transformers' own save_pretrained, 135 M parameters,
 seconds). LingBot-VA and Fast-WAM are built by the family modules from the recipe's configuration exactly as
-for a pulled checkpoint, except that LeRobot's ``_load_as_safetensor`` keeps the seeded random initialisation
-instead of reading weights: writing and re-reading 10-12 GB of random bf16 would cost minutes of GPU-machine
-time and tens of GB of disk for nothing. ``--tiny`` uses the tiny recipes instead (a CPU check of this script).
+for a pulled checkpoint, except that the parameters are built on meta and filled with seeded values in the
+unit's dtype (``zoo.policies.fast_init.seeded_weights``) instead of reading weights: writing and re-reading
+10-12 GB of random bf16 would cost minutes of GPU-machine time and tens of GB of disk for nothing. ``--tiny`` uses the tiny recipes instead (a CPU check of this script).
 
 Each unit gets OUT/<unit>/ (model.pte, aoti_cuda_blob.ptd, so/, report.json, io_spec.json; for units under
 1 GiB of weights also the exported/rewritten programs, so zoo's verification and ``python -m zoo bench`` can
@@ -98,29 +98,9 @@ def parse_unit(text: str) -> UnitSpec:
 # Building units with random weights
 
 
-@contextlib.contextmanager
-def random_init_instead_of_weights(policy_cls) -> Iterator[None]:
-    """While active, LeRobot's ``from_pretrained`` builds the policy from its config (torch's seeded random
-    init) and moves and evals it as usual, but reads no weights."""
-    had = "_load_as_safetensor" in policy_cls.__dict__
-    original = policy_cls.__dict__.get("_load_as_safetensor")
-
-    def keep_initialisation(cls, model, model_file, map_location, strict):
-        return model
-
-    policy_cls._load_as_safetensor = classmethod(keep_initialisation)
-    try:
-        yield
-    finally:
-        if had:
-            policy_cls._load_as_safetensor = original
-        else:
-            del policy_cls._load_as_safetensor
-
-
 def placeholder_checkpoint(config, folder: Path) -> Path:
     """config.json as LeRobot writes it, and an empty (valid) model.safetensors: the family checks the file is
-    there; ``random_init_instead_of_weights`` makes sure nothing reads it."""
+    there; ``fast_init.seeded_weights`` makes sure nothing reads it."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -137,14 +117,12 @@ def build_llama(recipe, work: Path) -> ExportUnit:
 
 def build_lingbot_va(recipe, work: Path) -> ExportUnit:
     # Imported here: they need lerobot (the policies extra), which the llama unit and --help do not.
-    from lerobot.policies.lingbot_va import LingBotVAPolicy
-
-    from zoo.policies import lingbot_va
+    from zoo.policies import fast_init, lingbot_va
 
     # The configuration a fabricated checkpoint of this recipe would carry (recipe policy_config, cameras).
     config = lingbot_va._fabricated_config(recipe, lingbot_va._validate_recipe(recipe))
     folder = placeholder_checkpoint(config, work / "checkpoint")
-    with torch.random.fork_rng(devices=[]), random_init_instead_of_weights(LingBotVAPolicy):
+    with torch.random.fork_rng(devices=[]), fast_init.seeded_weights(recipe.source.seed):
         torch.manual_seed(recipe.source.seed)
         return lingbot_va.build_unit(folder, recipe)
 
@@ -152,10 +130,9 @@ def build_lingbot_va(recipe, work: Path) -> ExportUnit:
 def build_fast_wam(recipe, work: Path) -> ExportUnit:
     # Imported here: they need lerobot (the policies extra), which the llama unit and --help do not.
     from lerobot.policies.fastwam.configuration_fastwam import FastWAMConfig
-    from lerobot.policies.fastwam.modeling_fastwam import FastWAMPolicy
     from lerobot.policies.fastwam.processor_fastwam import make_fastwam_pre_post_processors
 
-    from zoo.policies import fast_wam
+    from zoo.policies import fast_init, fast_wam
 
     fields = dict(recipe.unit.options.fabricate_config)  # empty: FastWAMConfig's real defaults
     for key in ("video_dit_config", "action_dit_config"):
@@ -182,7 +159,7 @@ def build_fast_wam(recipe, work: Path) -> ExportUnit:
         if repo_id != tiny_recipe.source.repo_id:
             put_in_cache(repo_id, repo_dir, cache)
     with hub_environment(cache, offline=True), torch.random.fork_rng(devices=[]), \
-            random_init_instead_of_weights(FastWAMPolicy):
+            fast_init.seeded_weights(recipe.source.seed):
         torch.manual_seed(recipe.source.seed)
         return fast_wam.build_unit(folder, recipe)
 

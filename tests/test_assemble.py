@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from zoo import assemble
-from zoo.assemble import DataEntry, ProgramPart
+from zoo import artifact, assemble
+from zoo.artifact import DataEntry, ensure_flatc
+from zoo.assemble import ProgramPart
 from zoo.errors import LoweringError
-from zoo.artifact import ensure_flatc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from portable_lowering import lower_program  # noqa: E402
@@ -251,7 +251,7 @@ def test_ptd_writer_matches_executorch_serializer_byte_for_byte(tmp_path):
     assert (tmp_path / "blob.ptd").read_bytes() == reference
     assert summary.segments[0] == ["a_weights_blob", "b_weights_blob"]
     assert summary.shared_bytes == len(blobs["a_weights_blob"])
-    index = {e.key: e for e in assemble.read_data_file(tmp_path / "blob.ptd")}
+    index = {e.key: e for e in artifact.read_ptd_entries(tmp_path / "blob.ptd")}
     assert index["a_weights_blob"].offset == index["b_weights_blob"].offset
     assert index["c"].offset != index["a_weights_blob"].offset
 
@@ -304,4 +304,4 @@ def test_foreign_files_are_zoo_errors(tmp_path):
     with pytest.raises(LoweringError, match="not a readable ExecuTorch program"):
         assemble.read_program(bad)
     with pytest.raises(LoweringError, match="not an ExecuTorch data file"):
-        assemble.read_data_file(bad)
+        artifact.read_ptd_entries(bad)

@@ -109,7 +109,7 @@ def test_audit_main_prints_json_and_exits_by_loadability(capsys):
     assert audit.audit_main([str(FIXTURES / "clean.so"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["releases"]["1.2"] == {"version": "1.2.0", "loadable": True, "missing": {},
-                                       "tested": "inferred from symbols"}
+                                       "tested": "inferred from symbols", "caveats": []}
     assert audit.audit_main([str(FIXTURES / "float64.so")]) == 1
     assert "aoti_torch_dtype_float64" in capsys.readouterr().out
     assert audit.audit_main([str(FIXTURES / "float16.so"), "--require", "1.2"]) == 1

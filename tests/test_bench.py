@@ -444,7 +444,7 @@ def test_zoo_command_line_dispatches_bench(run_folder, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------
-# scripts/bench_real_size.py: unit selection and the random-initialisation switch
+# scripts/bench_real_size.py: unit selection (its seeded weights: tests/test_fast_init.py)
 
 
 @pytest.fixture(scope="module")
@@ -473,23 +473,6 @@ def test_real_size_units_parse_sizes_and_methods(real_size_script):
         parse("llama3")
     with pytest.raises(ZooError, match="takes sequence lengths"):
         parse("llama:long")
-
-
-def test_random_init_switch_skips_weight_loading_and_restores_lerobot(real_size_script):
-    class Base:
-        @classmethod
-        def _load_as_safetensor(cls, model, model_file, map_location, strict):
-            raise AssertionError("weights were read")
-
-    class Policy(Base):
-        pass
-
-    model = object()
-    with real_size_script.random_init_instead_of_weights(Policy):
-        assert Policy._load_as_safetensor(model, "model.safetensors", "cpu", True) is model
-    assert "_load_as_safetensor" not in Policy.__dict__  # the inherited loader is back
-    with pytest.raises(AssertionError, match="weights were read"):
-        Policy._load_as_safetensor(model, "model.safetensors", "cpu", True)
 
 
 # --------------------------------------------------------------------------------------------------------

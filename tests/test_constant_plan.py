@@ -149,13 +149,13 @@ def _padded(tensor: torch.Tensor) -> bytes:
 def test_each_method_so_carries_the_plan_in_plan_order(lowered):
     plan = lowered["plan"]
     for method, part in lowered["parts"].items():
-        (table,) = part.record["constants"]  # one AOT compile per method
+        (table,) = part.record["constant_tables"]  # one AOT compile per method
         assert [row["fqn"] for row in table] == plan.fqns(), method
         assert all(row["planned"] for row in table)
-    added = {row["fqn"] for row in lowered["parts"]["b"].record["constants"][0] if row["added"]}
+    added = {row["fqn"] for row in lowered["parts"]["b"].record["constant_tables"][0] if row["added"]}
     assert {"u.head_a.weight", "u.head_a.bias", "u.scale"} <= added  # b's graph never reads them
     for method, part in lowered["parts"].items():  # the lifted constant reaches Inductor under another name
-        (table,) = part.record["constants"]
+        (table,) = part.record["constant_tables"]
         assert [(row["name"].startswith("_tensor_constant"), row["adopted"]) for row in table
                 if row["fqn"] == "u.table"] == [(True, True)], method
 
@@ -189,12 +189,13 @@ def test_each_shipped_so_with_the_shared_blob_computes_what_eager_computes(lower
 
 
 def test_one_method_extracted_alone_is_the_same_bytes(lowered, tmp_path):
-    """``only``: the method's .so and weights, byte for byte those of the full extraction, and nothing else."""
+    """``methods``: the method's .so and weights, byte for byte those of the full extraction, and nothing else."""
     assembled = lowered["assembled"]
     ptd = Path(assembled.pte).parent / PTD_NAME
-    alone = artifact.extract_method_files(assembled.pte, ptd, tmp_path, only=["b"])
+    alone = artifact.extract_method_files(assembled.pte, ptd, tmp_path, methods=["b"])
     assert list(alone) == ["b"]
     full = lowered["files"]["b"]
     assert alone["b"]["so"].read_bytes() == Path(full["so"]).read_bytes()
     assert alone["b"]["weights"].read_bytes() == Path(full["weights"]).read_bytes()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alone["b"]["so"].name, alone["b"]["weights"].name])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != artifact.EXTRACTED_JSON) == sorted(
+        [alone["b"]["so"].name, alone["b"]["weights"].name])

@@ -15,7 +15,7 @@ from torch import nn
 
 import zoo.lowering as lowering
 from zoo import artifact, audit
-from zoo.errors import LoweringError, NoGpuError
+from zoo.errors import KernelPreflightRefused, LoweringError, NoGpuError
 from zoo.recipes import Lowering, Recipe, Source, Unit
 from zoo.run_folder import RunFolder
 
@@ -177,6 +177,33 @@ def test_output_passed_through_is_refused_with_a_reason(tmp_path, monkeypatch):
     assert not (tmp_path / "model.pte").exists()
 
 
+def test_preflight_runs_on_the_edge_program_the_lowering_makes(tmp_path, monkeypatch):
+    # One edge step per method: the preflight judges the edge program the backend then gets, and makes none.
+    import executorch.exir.program._program as et_program
+
+    from zoo import preflight
+
+    fake_cuda.FakeCudaCompile({}).install(monkeypatch)
+    made, judged = [], []
+    real_edge, real_check = et_program._gen_edge_manager_for_partitioners, preflight.check_kernels
+
+    def edge_step(partitioners, programs, *args, **kwargs):
+        made.append(sorted(programs))
+        return real_edge(partitioners, programs, *args, **kwargs)
+
+    def check(programs, *args, **kwargs):
+        judged.append({name: getattr(ep, "dialect", "ATEN") for name, ep in programs.items()})
+        return real_check(programs, *args, **kwargs)
+
+    monkeypatch.setattr(et_program, "_gen_edge_manager_for_partitioners", edge_step)
+    monkeypatch.setattr(preflight, "check_kernels", check)
+    progs = programs()
+    result = lowering.lower_to_pte(progs, tmp_path, recipe(progs))
+    assert made == [["permuted"], ["pool"]]
+    assert judged == [{"permuted": "EDGE"}, {"pool": "EDGE"}]
+    assert result.preflight["ok"] is True and result.preflight["nodes"] > 0
+
+
 def test_preflight_refuses_before_compiling(tmp_path, monkeypatch):
     fake = fake_cuda.FakeCudaCompile({})
     fake.install(monkeypatch)
@@ -187,9 +214,10 @@ def test_preflight_refuses_before_compiling(tmp_path, monkeypatch):
 
     with torch.no_grad():
         progs = {"forward": torch.export.export(Detached(), (torch.randn(3),))}
-    with pytest.raises(LoweringError, match="aten::detach_copy"):
+    with pytest.raises(KernelPreflightRefused, match="aten::detach_copy"):
         lowering.lower_to_pte(progs, tmp_path, recipe(progs))
     assert fake.partitions == {}  # nothing reached the compile step
+    assert list(tmp_path.iterdir()) == []  # nor any file
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
@@ -229,3 +257,60 @@ def test_reading_a_foreign_file_is_a_zoo_error(tmp_path):
         artifact.read_pte(bad)
     with pytest.raises(LoweringError, match="not an ExecuTorch data file"):
         artifact.read_ptd_index(bad)
+
+
+def test_a_refusal_is_the_preflight_stage_and_nothing_is_compiled(tmp_path, monkeypatch):
+    from zoo import gpu_steps
+    from zoo.report import RunReport
+
+    fake = fake_cuda.FakeCudaCompile({})
+    fake.install(monkeypatch)
+
+    class Detached(nn.Module):
+        def forward(self, x):
+            return (x * 2).detach()
+
+    with torch.no_grad():
+        progs = {"forward": torch.export.export(Detached(), (torch.randn(3),))}
+    report = RunReport(tmp_path)
+    with pytest.raises(KernelPreflightRefused):
+        gpu_steps.lower_step(progs, RunFolder(tmp_path / "run"), recipe(progs), report)
+    assert [(s["stage"], s["status"]) for s in report.stages] == [("preflight", "failed"), ("lower", "skipped")]
+    assert report.get("failed_stage") == "preflight" and fake.partitions == {}
+
+
+def test_the_shared_plan_is_used_only_where_it_costs_little_gpu_memory():
+    from zoo.constant_plan import plan_constants
+
+    class Two(nn.Module):
+        """Two heads of a trunk: ``big`` shares the trunk, ``apart`` reads only its own weights."""
+
+        def __init__(self):
+            super().__init__()
+            self.trunk = nn.Linear(64, 64)
+            self.head_a, self.head_b = nn.Linear(64, 2), nn.Linear(64, 2)
+            self.own_a, self.own_b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    unit = Two()
+
+    class Call(nn.Module):
+        def __init__(self, fn):
+            super().__init__()
+            self.unit, self.fn = unit, fn
+
+        def forward(self, x):
+            return self.fn(self.unit, x)
+
+    def export(fn):
+        return torch.export.export(Call(fn), (torch.randn(2, 64),))
+
+    shared = plan_constants({"a": export(lambda u, x: u.head_a(u.trunk(x))), "b": export(lambda u, x: u.head_b(u.trunk(x)))})
+    apart = plan_constants({"a": export(lambda u, x: u.own_a(x)), "b": export(lambda u, x: u.own_b(x))})
+    # By hand: the trunk (64*64+64 floats) read twice, each head (64*2+2) once; one table holds all three.
+    trunk, head = (64 * 64 + 64) * 4, (64 * 2 + 2) * 4
+    assert shared.gpu_growth(2) == pytest.approx(2 * (trunk + 2 * head) / (2 * trunk + 2 * head) - 1)
+    assert lowering.plan_decision(shared, 2)["applied"] is True
+    assert apart.gpu_growth(2) == pytest.approx(1.0)  # each blob would hold both methods' weights: twice the memory
+    decision = lowering.plan_decision(apart, 2)
+    assert decision["applied"] is False and "mostly different weights" in decision["why"]
+    assert lowering.plan_decision(shared, 1)["applied"] is False

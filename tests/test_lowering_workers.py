@@ -132,3 +132,33 @@ def test_max_workers_from_the_environment(monkeypatch):
     monkeypatch.setenv(workers.ENV_MAX_WORKERS, "many")
     with pytest.raises(LoweringError, match="not a whole number"):
         workers.default_max_workers(2)
+
+
+def test_workers_come_from_the_caller_then_the_environment_then_the_recipe_then_the_machine(monkeypatch):
+    monkeypatch.delenv(workers.ENV_MAX_WORKERS, raising=False)
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(workers, "available_memory_bytes", lambda: 100 << 30)
+    assert workers.choose_workers(2, requested=1, configured=2)[0] == 1
+    assert workers.choose_workers(3, configured=2) == (2, "recipe lowering.workers=2")
+    assert workers.choose_workers(2)[0] == 2  # one per method: 16 cores allow 4
+    assert workers.choose_workers(8)[0] == 4
+    count, why = workers.choose_workers(2, per_worker_bytes=60 << 30)  # 100 GiB hold one 60 GiB worker
+    assert count == 1 and "available memory" in why
+    monkeypatch.setenv(workers.ENV_MAX_WORKERS, "2")
+    assert workers.choose_workers(3, configured=1) == (2, f"{workers.ENV_MAX_WORKERS}=2")
+    with pytest.raises(LoweringError, match="at least 1"):
+        workers.choose_workers(3, requested=0)
+
+
+def test_in_process_lowering_leaves_the_same_parts_as_the_workers(parallel, tmp_path):
+    jobs = saved_jobs(tmp_path / "programs", lambda m: {"init_buffers": ["count"], "external_constants": True})
+    in_process = workers.lower_in_process(jobs, FUNCTION, tmp_path / "here", pythonpath=[str(FIXTURES)],
+                                          say=lambda line: None)
+    assert [p.log for p in in_process.values()] == [None, None]
+    for method, part in in_process.items():  # each method's part, byte for byte what its worker wrote
+        assert part.pte.read_bytes() == parallel["parts"][method].pte.read_bytes()
+        assert sorted(part.data_files) == sorted(parallel["parts"][method].data_files)
+        for name, path in part.data_files.items():
+            assert path.read_bytes() == parallel["parts"][method].data_files[name].read_bytes()
+    assembled = workers.assemble_program([p.as_program_part() for p in in_process.values()], tmp_path / "out")
+    assert assembled.pte.read_bytes() == parallel["assembled"].pte.read_bytes()

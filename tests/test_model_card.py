@@ -131,6 +131,25 @@ def test_runner_is_built_from_a_release_the_audit_says_loads_it(audit, expected)
     assert runtime_ref(manifest(audit=audit)) == expected
 
 
+def test_card_states_the_weights_on_each_runtime_from_the_audit():
+    gib = 2**30
+    audit = {"releases": {"1.2": {"version": "1.2.0", "loadable": True, "missing": {},
+                                  "caveats": ["each method's container copies its own weights blob"]},
+                          "1.3": {"version": "1.3.1", "loadable": True, "missing": {}, "caveats": []}},
+             "weights": {"ptd_bytes": 10 * gib, "blobs": {"video_step": 9 * gib, "action_step": 9 * gib},
+                         "segments": [["video_step", "action_step"]], "shared": True,
+                         "gpu_bytes_each_method_own_copy": 18 * gib, "gpu_bytes_one_copy": 9 * gib}}
+    card = render_card(manifest(audit=audit), {}, {}, "org/x")
+    assert "- `aoti_cuda_blob.ptd` is 10.00 GiB; the methods' weights blobs: `video_step` 9.00 GiB, " \
+           "`action_step` 9.00 GiB." in card
+    assert "- Every method's weights blob is the same bytes, stored once in the file. With every method loaded, " \
+           "a runtime that gives each method its own copy holds 18.00 GiB of weights on the GPU; one copy is " \
+           "9.00 GiB." in card
+    assert "- ExecuTorch 1.2: each method's container copies its own weights blob" in card
+    assert "ExecuTorch 1.3:" not in card
+    assert "The weights on each runtime" not in render_card(manifest(), {}, {}, "org/x")
+
+
 def test_card_says_when_no_runtime_loads_the_artifact():
     m = manifest(audit={"1.2": {"loadable": False, "missing_symbols": ["aoti_torch_dtype_float64"]}})
     card = render_card(m, {}, {}, "org/x")

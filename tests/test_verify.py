@@ -385,7 +385,8 @@ def test_command_runs_every_gpu_step_on_one_report(run_folder, tmp_path, monkeyp
     report = json.loads((run / "report.json").read_text())
     assert report["status"] == "verified" and "error" not in report
     assert [(s["stage"], s["status"]) for s in report["stages"]] == [
-        ("preflight", "done"), ("lower", "done"), ("audit", "done"), ("verify", "done")]
+        ("preflight", "done"), ("lower", "done"), ("audit", "done"), ("verify", "done"),
+        ("policy_check_gpu", "skipped")]  # the toy family has no action loop: recorded as not applicable
     assert report["lowering"]["methods"]["permuted"]["input_order"] == [2, 1, 0]  # c, then b, then a
     assert report["verification"]["passed"] and (run / "model.pte").is_file()
     manifest = json.loads((run / "manifest.json").read_text())
@@ -410,6 +411,26 @@ def test_missing_reference_is_a_clear_error(run_folder, tmp_path):
     (run / "exported.pool.pt2").unlink()
     with pytest.raises(VerificationFailed, match="exported.pool.pt2 is missing"):
         verify.verify_artifact(run, run_folder["recipe"], device="cpu", runner_factory=run_folder["fake"].runner_factory)
+
+
+def test_references_given_in_memory_stand_in_for_the_saved_programs(run_folder, tmp_path):
+    run = _copy(run_folder, tmp_path)
+
+    def fresh():  # new modules each time: pool carries state from call to call
+        return {m: torch.export.load(str(run_folder["run"] / f"exported.{m}.pt2")).module()
+                for m in ("permuted", "rope", "pool")}
+
+    for path in run.glob("exported.*.pt2"):  # nothing on disk to fall back on
+        path.unlink()
+    result = verify.verify_artifact(run, run_folder["recipe"], device="cpu", references={"exported": fresh()},
+                                    runner_factory=run_folder["fake"].runner_factory)
+    assert result.ok and {r.method for r in result.rows} == {"permuted", "rope", "pool"}
+    # The given reference is what the artifact is judged against: a wrong one fails that method only.
+    modules = fresh()
+    off = dict(modules, rope=lambda x: modules["rope"](x) * 1.01)
+    result = verify.verify_artifact(run, run_folder["recipe"], device="cpu", references={"exported": off},
+                                    runner_factory=run_folder["fake"].runner_factory, raise_on_failure=False)
+    assert {r.method for r in result.failures()} == {"rope"}
 
 
 def test_no_gpu_no_device_is_a_clear_error(run_folder):

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import atomic
 from .errors import LoweringError
@@ -27,6 +28,7 @@ PTD_TAG = "aoti_cuda_blob"  # the external tag CudaBackend gives its weights; th
 SO_SUFFIX = "_so_blob"  # named data key of a method's .so inside the .pte (executorch 1.2.0)
 WEIGHTS_SUFFIX = "_weights_blob"  # named data key of a method's weights inside the .ptd
 CUDA_BACKEND_ID = "CudaBackend"
+_CHUNK = 64 << 20
 
 
 def so_file_name(method: str) -> str:
@@ -99,58 +101,181 @@ def read_pte(pte_path: Path) -> Tuple[Dict[str, PteMethod], Dict[str, bytes]]:
     return methods, named
 
 
-def read_ptd_index(ptd_path: Path) -> Dict[str, Tuple[int, int]]:
-    """Named entries of a .ptd as {key: (file offset, size)}, reading only the header and index."""
-    ensure_flatc()
-    from executorch.extension.flat_tensor.serialize.serialize import (
-        FlatTensorHeader,
-        _deserialize_to_flat_tensor,
-    )
+@dataclass
+class DataEntry:
+    """One named entry of a ``.ptd``: where its bytes lie (file, absolute offset, size) and its tensor layout."""
 
-    with open(ptd_path, "rb") as fh:
+    key: str
+    source: Path
+    offset: int
+    size: int
+    tensor_layout: Any = None  # executorch.exir.tensor_layout.TensorLayout or None
+
+
+def read_ptd_entries(ptd_path: Path) -> List[DataEntry]:
+    """The named entries of a ``.ptd`` with where their bytes lie; reads only the header and the index."""
+    ensure_flatc()
+    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorHeader, _deserialize_to_flat_tensor
+
+    path = Path(ptd_path)
+    with open(path, "rb") as fh:
         head = fh.read(8 + FlatTensorHeader.EXPECTED_LENGTH)
-        header = FlatTensorHeader.from_bytes(head[8:]) if len(head) > 8 else None
+        header = FlatTensorHeader.from_bytes(head[8:]) if len(head) == 8 + FlatTensorHeader.EXPECTED_LENGTH else None
         if header is None or not header.is_valid():
-            raise LoweringError(f"{ptd_path} is not an ExecuTorch data file (.ptd)",
+            raise LoweringError(f"{path} is not an ExecuTorch data file (.ptd)",
                                 f"pass the {PTD_NAME} written beside the {PTE_NAME}")
         fh.seek(0)
         flat = _deserialize_to_flat_tensor(fh.read(header.flatbuffer_offset + header.flatbuffer_size))
-    return {entry.key: (header.segment_base_offset + flat.segments[entry.segment_index].offset,
-                        flat.segments[entry.segment_index].size)
-            for entry in flat.named_data}
+    file_bytes = path.stat().st_size
+    entries = []
+    for named in flat.named_data:
+        segment = flat.segments[named.segment_index]
+        offset = header.segment_base_offset + segment.offset
+        if offset + segment.size > file_bytes:
+            raise LoweringError(f"{path}: entry {named.key!r} ends at {offset + segment.size}, past the file's "
+                                f"{file_bytes} bytes", "the file is truncated; lower again")
+        entries.append(DataEntry(named.key, path, offset, segment.size, named.tensor_layout))
+    return entries
 
 
-def _copy_range(src: Path, offset: int, size: int, dest: Path) -> None:
-    with atomic.atomic_path(dest) as tmp, open(src, "rb") as fin, open(tmp, "wb") as fout:
-        fin.seek(offset)
+def read_ptd_index(ptd_path: Path) -> Dict[str, Tuple[int, int]]:
+    """Named entries of a .ptd as {key: (file offset, size)}, reading only the header and index."""
+    return {entry.key: (entry.offset, entry.size) for entry in read_ptd_entries(ptd_path)}
+
+
+def range_chunks(path: Path, offset: int, size: int) -> Iterator[bytes]:
+    """``size`` bytes of ``path`` from ``offset``, read in pieces of at most 64 MiB (a weights blob is ~10 GB)."""
+    with open(path, "rb") as fh:
+        fh.seek(offset)
         left = size
         while left:
-            chunk = fin.read(min(left, 64 << 20))
+            chunk = fh.read(min(left, _CHUNK))
             if not chunk:
-                raise LoweringError(f"{src} ends before its entry at {offset}+{size}", "the file is truncated")
-            fout.write(chunk)
+                raise LoweringError(f"{path} ends before its entry at {offset}+{size}", "the file is truncated")
+            yield chunk
             left -= len(chunk)
 
 
+def copy_range(src: Path, offset: int, size: int, dest: Path) -> None:
+    """Copy ``size`` bytes of ``src`` from ``offset`` into a new file ``dest`` (atomically), in the kernel where
+    it can (``os.copy_file_range``: no pass through Python buffers), else in chunks."""
+    with atomic.atomic_path(dest) as tmp, open(src, "rb") as fin, open(tmp, "wb") as fout:
+        done = 0
+        if hasattr(os, "copy_file_range"):
+            try:
+                while done < size:
+                    n = os.copy_file_range(fin.fileno(), fout.fileno(), min(size - done, 1 << 30),
+                                           offset + done, done)
+                    if n == 0:
+                        raise LoweringError(f"{src} ends before its entry at {offset}+{size}", "the file is truncated")
+                    done += n
+            except OSError:  # a filesystem or kernel without it: the chunked copy below takes over where it stopped
+                pass
+        fout.seek(done)
+        for chunk in range_chunks(src, offset + done, size - done):
+            fout.write(chunk)
+
+
+# --- each method's .so and weights, out of the artifact --------------------------------------------------------
+
+# What ``extract_method_files`` took from which files, written last into the folder it extracted to: a later
+# reader (verification, the bench) may use the extracted files instead of extracting again only while the
+# .pte, the .ptd and every extracted file are the very files recorded here, untouched.
+EXTRACTED_JSON = "extracted.json"
+
+
+def _file_identity(path: Path) -> List[int]:
+    """What changes whenever a file is replaced or written: device, inode, size, modification and change times
+    (the change time cannot be set back by a user, so an edit followed by ``touch -r`` still shows)."""
+    st = os.stat(path)
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
 def extract_method_files(pte_path: Path, ptd_path: Optional[Path], so_dir: Path,
-                         only: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
-    """Write each CUDA method's .so (from the .pte) and weights blob (from the .ptd) into ``so_dir``; with
-    ``only``, just those methods (a real-size blob is ~10 GB: timing one method need not copy the others)."""
-    methods, named = read_pte(pte_path)
-    index = read_ptd_index(ptd_path) if ptd_path is not None and Path(ptd_path).exists() else {}
+                         methods: Optional[Sequence[str]] = None) -> Dict[str, Dict[str, Any]]:
+    """Write each CUDA method's .so (from the .pte) and weights blob (from the .ptd) into ``so_dir``; only
+    ``methods`` when given.
+
+    Methods whose weights keys name one segment of the .ptd (identical blobs, stored once: ``zoo.assemble``)
+    get one file: the first method's is written, the others are hard links to it (symbolic links where the
+    filesystem has none), so a ~10 GB blob shared by two methods is copied once. ``EXTRACTED_JSON`` is
+    written last, naming the files read and written (``reusable_method_files``)."""
+    so_dir = Path(so_dir)
+    stamp = so_dir / EXTRACTED_JSON
+    stamp.unlink(missing_ok=True)  # the files below change now: an earlier stamp no longer describes them
+    found, named = read_pte(pte_path)
+    wanted = list(found) if methods is None else list(methods)
+    ptd_there = ptd_path is not None and Path(ptd_path).exists()
+    entries = {e.key: e for e in read_ptd_entries(ptd_path)} if ptd_there else {}
     out: Dict[str, Dict[str, Any]] = {}
-    for name, method in methods.items():
-        if method.so_key is None or (only is not None and name not in only):
+    written: Dict[Tuple[int, int], Path] = {}  # (offset, size) of a segment -> the file holding it
+    for name in wanted:
+        method = found.get(name)
+        if method is None or method.so_key is None:
             continue
         so_path = so_dir / so_file_name(name)
         atomic.write_bytes(so_path, named[method.so_key])
         entry: Dict[str, Any] = {"so": so_path, "so_bytes": len(named[method.so_key]), "weights": None,
-                                 "weights_bytes": 0}
-        key = name + WEIGHTS_SUFFIX
-        if key in index:
-            offset, size = index[key]
+                                 "weights_bytes": 0, "shares_weights_with": None}
+        data = entries.get(name + WEIGHTS_SUFFIX)
+        if data is not None:
             blob = so_dir / weights_file_name(name)
-            _copy_range(Path(ptd_path), offset, size, blob)
-            entry.update(weights=blob, weights_bytes=size)
+            first = written.get((data.offset, data.size))
+            if first is None:
+                copy_range(data.source, data.offset, data.size, blob)
+                written[(data.offset, data.size)] = blob
+            else:
+                _link(first, blob)
+                entry["shares_weights_with"] = first.name
+            entry.update(weights=blob, weights_bytes=data.size)
         out[name] = entry
+    atomic.write_json(stamp, {
+        "pte": [Path(pte_path).name, _file_identity(pte_path)],
+        "ptd": [Path(ptd_path).name, _file_identity(ptd_path)] if ptd_there else None,
+        "methods": {name: {"so": e["so"].name, "so_bytes": e["so_bytes"], "so_identity": _file_identity(e["so"]),
+                           "weights": e["weights"].name if e["weights"] else None,
+                           "weights_bytes": e["weights_bytes"], "shares_weights_with": e["shares_weights_with"],
+                           "weights_identity": _file_identity(e["weights"]) if e["weights"] else None}
+                    for name, e in out.items()}})
     return out
+
+
+def _link(existing: Path, new: Path) -> None:
+    """``new`` names the same bytes as ``existing`` (same folder), replacing whatever ``new`` was."""
+    tmp = new.with_name(f".{new.name}.link-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(existing, tmp)
+    except OSError:  # no hard links here (some network and FUSE filesystems): a relative symbolic link
+        os.symlink(existing.name, tmp)
+    os.replace(tmp, new)
+
+
+def reusable_method_files(pte_path: Path, ptd_path: Optional[Path], so_dir: Path,
+                          methods: Sequence[str]) -> Optional[Dict[str, Dict[str, Any]]]:
+    """The files an earlier ``extract_method_files`` left in ``so_dir`` for ``methods``, when they are still
+    what the .pte and .ptd hold now: the stamp names these very .pte/.ptd files (same inode, size and times)
+    and every extracted file is untouched. None otherwise (extract again): a swapped or edited artifact is
+    never judged by stale copies."""
+    so_dir = Path(so_dir)
+    try:
+        stamp = json.loads((so_dir / EXTRACTED_JSON).read_text())
+        ptd_there = ptd_path is not None and Path(ptd_path).exists()
+        if stamp["pte"] != [Path(pte_path).name, _file_identity(pte_path)]:
+            return None
+        if (stamp["ptd"] is None) == ptd_there or (
+                ptd_there and stamp["ptd"] != [Path(ptd_path).name, _file_identity(ptd_path)]):
+            return None
+        out: Dict[str, Dict[str, Any]] = {}
+        for name in methods:
+            rec = stamp["methods"][name]
+            so, weights = so_dir / rec["so"], (so_dir / rec["weights"]) if rec["weights"] else None
+            if _file_identity(so) != rec["so_identity"]:
+                return None
+            if weights is not None and _file_identity(weights) != rec["weights_identity"]:
+                return None
+            out[name] = {"so": so, "so_bytes": rec["so_bytes"], "weights": weights,
+                         "weights_bytes": rec["weights_bytes"], "shares_weights_with": rec["shares_weights_with"]}
+        return out
+    except (OSError, ValueError, KeyError, TypeError):  # no stamp, a damaged one, a file gone: extract again
+        return None

@@ -36,9 +36,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from .errors import LoweringError
-from .artifact import PTE_NAME, ensure_flatc
+from .artifact import PTE_NAME, DataEntry, ensure_flatc, range_chunks, read_ptd_entries
 
-_COPY_CHUNK = 64 << 20
 DEFAULT_SEGMENT_ALIGNMENT = 128  # ExecutorchBackendConfig.segment_alignment and FlatTensorConfig's default
 
 
@@ -49,17 +48,6 @@ class ProgramPart:
     label: str  # the method it holds, for messages
     pte: Path
     data_files: Dict[str, Path] = field(default_factory=dict)
-
-
-@dataclass
-class DataEntry:
-    """One named entry of a ``.ptd``: where its bytes lie (file, absolute offset, size) and its tensor layout."""
-
-    key: str
-    source: Path
-    offset: int
-    size: int
-    tensor_layout: Any = None  # executorch.exir.tensor_layout.TensorLayout or None
 
 
 @dataclass
@@ -205,42 +193,9 @@ def serialize_program(pte_file, *, segment_alignment: int = DEFAULT_SEGMENT_ALIG
 # --- the .ptd --------------------------------------------------------------------------------------------------
 
 
-def read_data_file(path: Path) -> List[DataEntry]:
-    """The named entries of a ``.ptd`` with where their bytes lie; reads only the header and the index."""
-    ensure_flatc()
-    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorHeader, _deserialize_to_flat_tensor
-
-    path = Path(path)
-    with open(path, "rb") as fh:
-        head = fh.read(8 + FlatTensorHeader.EXPECTED_LENGTH)
-        header = FlatTensorHeader.from_bytes(head[8:]) if len(head) == 8 + FlatTensorHeader.EXPECTED_LENGTH else None
-        if header is None or not header.is_valid():
-            raise LoweringError(f"{path} is not an ExecuTorch data file (.ptd)", "pass the .ptd written beside the .pte")
-        fh.seek(0)
-        flat = _deserialize_to_flat_tensor(fh.read(header.flatbuffer_offset + header.flatbuffer_size))
-    file_bytes = path.stat().st_size
-    entries = []
-    for named in flat.named_data:
-        segment = flat.segments[named.segment_index]
-        offset = header.segment_base_offset + segment.offset
-        if offset + segment.size > file_bytes:
-            raise LoweringError(f"{path}: entry {named.key!r} ends at {offset + segment.size}, past the file's "
-                                f"{file_bytes} bytes", "the file is truncated; lower again")
-        entries.append(DataEntry(named.key, path, offset, segment.size, named.tensor_layout))
-    return entries
-
-
 def entry_chunks(entry: DataEntry) -> Iterator[bytes]:
     """An entry's bytes, read from where they lie in pieces of at most 64 MiB."""
-    with open(entry.source, "rb") as fh:
-        fh.seek(entry.offset)
-        left = entry.size
-        while left:
-            chunk = fh.read(min(left, _COPY_CHUNK))
-            if not chunk:
-                raise LoweringError(f"{entry.source} ends inside entry {entry.key!r}", "the file is truncated")
-            yield chunk
-            left -= len(chunk)
+    return range_chunks(entry.source, entry.offset, entry.size)
 
 
 def _digest(entry: DataEntry) -> bytes:
@@ -354,7 +309,7 @@ def assemble_program(parts: Sequence[ProgramPart], out_dir: Path, *, pte_name: s
     by_name: Dict[str, List[Tuple[str, List[DataEntry]]]] = {}
     for part in parts:
         for name, path in part.data_files.items():
-            by_name.setdefault(name, []).append((part.label, read_data_file(path)))
+            by_name.setdefault(name, []).append((part.label, read_ptd_entries(path)))
 
     pte = out_dir / pte_name
     pte.unlink(missing_ok=True)  # a .pte left from an earlier run must not pair with the new data files

@@ -6,8 +6,13 @@ them against its own shim library when it loads the ``.so``, lazily: a missing o
 first call. Comparing the symbols (read with pyelftools) with what each release exports
 (``zoo/data/runtimes.json``) tells before shipping which releases can load the artifact and what is missing.
 
+It also says what each release does with the weights (``weights_facts``, read from the ``.ptd`` beside the
+``.pte``): the ``.ptd``'s size against one copy, whether every method's weights blob is the same segment
+(byte-identical: ``zoo.constant_plan``), and the GPU memory the weights take once every method is loaded, as
+each release's CUDA backend loads them (by reading its source; the measured numbers are in docs/gpu-results.md).
+
 ``python -m zoo audit PATH [--json] [--require RELEASE]``: PATH is a run folder, any CUDA ``.pte`` written by
-ExecuTorch 1.2 (with or without its ``.ptd``; only the ``.so`` matters), or a single ``.so``.
+ExecuTorch 1.2 (with or without its ``.ptd``; only the ``.so`` matters for loading), or a single ``.so``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Set, Union
 
-from .artifact import PTE_NAME, SO_SUFFIX, read_pte, so_file_name
+from .artifact import PTD_NAME, PTE_NAME, SO_SUFFIX, WEIGHTS_SUFFIX, read_ptd_entries, read_pte, so_file_name
 from .errors import LoweringError, ZooError
 from .report import format_table
 from .run_folder import SO_DIR, RunFolder
@@ -29,6 +34,8 @@ from .runtimes import Release, load_runtimes
 SYMBOL_PREFIX = "aoti_torch_"
 INFERRED = "inferred from symbols"
 DTYPE_PREFIX = "aoti_torch_dtype_"
+SHARING_OPTION = "weight_sharing_across_methods"  # the CUDA backend's runtime option, from ExecuTorch 1.3
+FIRST_SHARING_RELEASE = (1, 3)
 
 
 def undefined_aoti_symbols(so: Union[Path, bytes], what: str = "") -> List[str]:
@@ -77,6 +84,8 @@ class AuditResult:
     # to run) the artifact, set by ``mark_tested``; every other release is inferred from symbols
     tested: Dict[str, str] = field(default_factory=dict)
     findings: List[str] = field(default_factory=list)  # a prediction that running contradicted
+    weights: Optional[Dict] = None  # weights_facts: the .ptd against one copy, GPU memory per release
+    caveats: Dict[str, List[str]] = field(default_factory=dict)  # release -> what loading alone does not show
 
     def loadable(self, release: str) -> bool:
         return all(m.loadable(release) for m in self.methods)
@@ -94,10 +103,12 @@ class AuditResult:
             "methods": [asdict(m) for m in self.methods],
             "releases": {r: {"version": v, "loadable": self.loadable(r),
                              "missing": {m.method: m.missing[r] for m in self.methods if m.missing[r]},
-                             "tested": self.tested_text(r)}
+                             "tested": self.tested_text(r),
+                             "caveats": list(self.caveats.get(r, []))}
                          for r, v in self.releases.items()},
             "notes": list(self.notes),
             "findings": list(self.findings),
+            "weights": self.weights,
         }
 
     def summary(self) -> Dict:
@@ -112,13 +123,19 @@ class AuditResult:
         methods = format_table([["method", ".so bytes", "aoti_torch symbols", "dtypes"]]
                                + [[m.method, m.so_bytes, len(m.symbols), ", ".join(m.dtypes)] for m in self.methods])
         rows = [["release", "version", "loadable", "missing symbols", "tested"]]
+        marks: Dict[str, int] = {}  # caveat text -> its footnote number
         for release, version in self.releases.items():
             missing = sorted({s for m in self.methods for s in m.missing[release]})
-            rows.append([release, version, "yes" if self.loadable(release) else "NO", ", ".join(missing) or "-",
-                         self.tested_text(release)])
+            refs = "".join(f" [{marks.setdefault(c, len(marks) + 1)}]" for c in self.caveats.get(release, []))
+            rows.append([release, version, ("yes" if self.loadable(release) else "NO") + refs,
+                         ", ".join(missing) or "-", self.tested_text(release)])
         text = f"{methods}\n\n{format_table(rows)}"
+        if marks:
+            text += "\n" + "\n".join(f"[{n}] {caveat}" for caveat, n in marks.items())
         if title:
             text = f"runtime audit of {Path(self.path).name}\n{text}"
+        if self.weights:
+            text += "\n\n" + "\n".join(f"- {line}" for line in weights_lines(self.weights))
         if self.notes:
             text += "\n\n" + "\n".join(f"- {note}" for note in self.notes)
         if self.findings:
@@ -168,14 +185,127 @@ def _method_sos(path: Path) -> Dict[str, bytes]:
     return {path.stem: path.read_bytes()}
 
 
-def audit_artifact(path: Union[str, Path], runtimes: Optional[Dict[str, Release]] = None) -> AuditResult:
-    """Audit every method's .so in ``path`` against every release in ``runtimes`` (default: runtimes.json)."""
+def audit_artifact(path: Union[str, Path], runtimes: Optional[Dict[str, Release]] = None, *,
+                   lowered_with: Optional[str] = None) -> AuditResult:
+    """Audit every method's .so in ``path`` against every release in ``runtimes`` (default: runtimes.json), and
+    what each release does with its weights. ``lowered_with``: the executorch version that wrote the .pte
+    (default: the installed one, the only one whose programs zoo reads)."""
     runtimes = runtimes if runtimes is not None else load_runtimes()
     path = Path(path)
     methods = [audit_so(data, name, runtimes) for name, data in _method_sos(path).items()]
     result = AuditResult(path=str(path), methods=methods, releases={n: r.version for n, r in runtimes.items()})
     result.notes = _notes(result, runtimes)
+    result.weights = weights_facts(path)
+    result.caveats = release_caveats(result.releases, result.weights, lowered_with or _installed_executorch())
     return result
+
+
+# --- the weights: what the .ptd holds, what each runtime loads -------------------------------------------------
+
+
+def _release_tuple(text: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else 0 for p in text.split(".")[:2])
+
+
+def _installed_executorch() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("executorch")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def weights_facts(path: Union[str, Path]) -> Optional[Dict]:
+    """What the artifact's ``.ptd`` holds of each method's weights, read from its index (no weights read):
+    each method's blob size, which keys share a segment (byte-identical blobs stored once), and the GPU
+    memory the weights take with every method loaded, each method keeping its own copy (ExecuTorch 1.2's CUDA
+    backend, and later ones without the sharing option) or one copy for all. None without a ``.ptd``.
+    Also the mutable buffers (``so/<method>.io.json``) that two methods hold under one name: the sharing
+    option shares constants by name and cannot tell them apart from weights."""
+    path = Path(path)
+    folder = path if path.is_dir() else path.parent
+    ptd = folder / PTD_NAME
+    if path.suffix == ".so" or not ptd.is_file():
+        return None
+    entries = [e for e in read_ptd_entries(ptd) if e.key.endswith(WEIGHTS_SUFFIX)]
+    if not entries:
+        return None
+    blobs = {e.key[: -len(WEIGHTS_SUFFIX)]: e.size for e in entries}
+    by_segment: Dict[tuple, List[str]] = {}
+    for e in entries:
+        by_segment.setdefault((e.offset, e.size), []).append(e.key[: -len(WEIGHTS_SUFFIX)])
+    segments = list(by_segment.values())
+    buffers: Dict[str, List[str]] = {}
+    run = RunFolder(folder)
+    for method in blobs:
+        order = run.io_order_file(method)
+        if order.is_file():
+            for name in (json.loads(order.read_text()).get("mutable_buffers") or {}):
+                buffers.setdefault(name, []).append(method)
+    return {"ptd_bytes": ptd.stat().st_size, "blobs": blobs, "segments": segments,
+            "shared": len(blobs) > 1 and len(segments) == 1,
+            "gpu_bytes_each_method_own_copy": sum(blobs.values()), "gpu_bytes_one_copy": max(blobs.values()),
+            "mutable_buffers_in_several_methods": {k: v for k, v in buffers.items() if len(v) > 1}}
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def weights_lines(w: Dict) -> List[str]:
+    """The weights facts in words: the .ptd against one copy, the GPU memory with every method loaded."""
+    blobs, one, own = w["blobs"], w["gpu_bytes_one_copy"], w["gpu_bytes_each_method_own_copy"]
+    names = ", ".join(f"{m} {_gib(b)}" for m, b in blobs.items())
+    if w["shared"]:
+        stored = (f"{PTD_NAME} is {_gib(w['ptd_bytes'])} for one copy of the weights ({_gib(one)}, "
+                  f"{w['ptd_bytes'] / one:.2f}x): every method's weights blob is the same bytes, stored once")
+    else:
+        stored = (f"{PTD_NAME} is {_gib(w['ptd_bytes'])}, {w['ptd_bytes'] / one:.2f}x the largest method's weights "
+                  f"({_gib(one)}): each method's blob is stored" + (" apart" if len(blobs) > 1 else ""))
+    lines = [f"weights blobs: {names}", stored]
+    if len(blobs) > 1:
+        lines.append(f"GPU memory for the weights with all {len(blobs)} methods loaded, where each method keeps "
+                     f"its own copy (ExecuTorch 1.2; later releases without {SHARING_OPTION}): {_gib(own)} "
+                     "(the sum of the blobs; read in the runtime's source, measured numbers: docs/gpu-results.md)")
+    return lines
+
+
+def release_caveats(releases: Dict[str, str], weights: Optional[Dict], lowered_with: str) -> Dict[str, List[str]]:
+    """Per release, what the symbol audit alone does not show: how it loads the weights of several methods,
+    and whether a .pte written by ``lowered_with`` can run on it. Read in each release's source, not run."""
+    old_writer = lowered_with == "unknown" or _release_tuple(lowered_with) < FIRST_SHARING_RELEASE
+    caveats: Dict[str, List[str]] = {}
+    for release in releases:
+        notes: List[str] = []
+        newer = _release_tuple(release) >= FIRST_SHARING_RELEASE
+        if weights and len(weights["blobs"]) > 1:
+            own = _gib(weights["gpu_bytes_each_method_own_copy"])
+            if not newer:
+                notes.append(f"each method's container copies its own weights blob onto the GPU: {own} with every "
+                             "method loaded; no runtime option changes that (read in the runtime's source)")
+            elif weights["shared"]:
+                text = (f"with the CUDA backend option {SHARING_OPTION}=true, a method whose every constant is "
+                        f"already loaded by name loads no second copy: {_gib(weights['gpu_bytes_one_copy'])} for "
+                        f"all methods instead of {own}; only for an artifact lowered with executorch >= 1.3 "
+                        f"(this one: {lowered_with})")
+                shared_buffers = weights.get("mutable_buffers_in_several_methods") or {}
+                if shared_buffers:
+                    text += (f"; the option would also share the mutable buffers {sorted(shared_buffers)} between "
+                             "the methods (it shares by name)")
+                notes.append(text + " (read in the runtime's source, not run)")
+            else:
+                notes.append(f"the methods' weights blobs differ: with {SHARING_OPTION}=true a method with any "
+                             f"constant not yet loaded loads its whole blob, so still {own} (read in the runtime's "
+                             "source, not run)")
+        if newer and old_writer:
+            notes.append(f"by reading the runtime source; not run: from 1.3.0 the CUDA backend's execute refuses "
+                         f"delegate inputs and outputs whose serialized device_type is not CUDA, and a .pte written "
+                         f"by executorch {lowered_with} records none (read as CPU): this artifact probably loads "
+                         "but fails its first execute (\"Tensor 0 expected device_type=CUDA (1), got 0\")")
+        if notes:
+            caveats[release] = notes
+    return caveats
 
 
 def _notes(result: AuditResult, runtimes: Dict[str, Release]) -> List[str]:

@@ -64,6 +64,17 @@ class ConstantPlan:
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.constants)
 
+    @property
+    def read_nbytes(self) -> int:
+        """The planned bytes as the methods' own tables would carry them: each constant once per method that
+        reads it (what the methods' blobs hold together without the plan)."""
+        return sum(c.nbytes * len(c.methods) for c in self.constants)
+
+    def gpu_growth(self, methods: int) -> float:
+        """How much more GPU memory the plan costs on a runtime where every method loads its own blob (1.2):
+        each of ``methods`` blobs holds the whole plan instead of what that method reads; 0.0 for no growth."""
+        return methods * self.nbytes / self.read_nbytes - 1.0 if self.read_nbytes else 0.0
+
     def fqns(self) -> List[str]:
         return [c.fqn for c in self.constants]
 
@@ -125,6 +136,21 @@ def plan_constants(programs: Mapping[str, ExportedProgram]) -> ConstantPlan:
             else:
                 private[fqn] = f"{planned[fqn].methods[0]} and {method} hold different values under this name"
                 del planned[fqn], values[fqn]
+    # Every method's .so carries the whole plan, so every program must hold each planned tensor, with the same
+    # value (methods exported from one unit module hold all of its parameters and buffers, read or not).
+    for method, program in programs.items():
+        held = {spec.target: spec for spec in program.graph_signature.input_specs if spec.kind in _STATE_KINDS}
+        for fqn, entry in list(planned.items()):
+            if method in entry.methods:
+                continue
+            value = state_tensor(program, held[fqn]) if fqn in held else None
+            if not isinstance(value, torch.Tensor):
+                private[fqn] = f"{method}'s program does not hold it (not exported from the same unit module)"
+            elif not _same_value(values[fqn], value):
+                private[fqn] = f"{entry.methods[0]} and {method} hold different values under this name"
+            else:
+                continue
+            del planned[fqn], values[fqn]
     return ConstantPlan(constants=list(planned.values()), private=private)
 
 

@@ -43,6 +43,10 @@ class LoweringError(ZooError):
     """ExecuTorch lowering failed or was refused before compiling (kernel preflight)."""
 
 
+class KernelPreflightRefused(LoweringError):
+    """The kernel preflight found kernels the target runtime cannot run: refused before the compile."""
+
+
 class NoGpuError(ZooError):
     """A stage needs a CUDA device and none is present."""
 

@@ -4,8 +4,11 @@ the run report it is handed; ``zoo.pipeline`` strings them together for ``python
 the CPU half, in the same process and on the same report) and for ``python -m zoo.lower RUN_DIR`` (on a saved
 run folder, later or on another machine). None of them needs lerobot: everything comes from the run folder.
 
-  preflight  fallback kernels the programs need vs the target runtime (CPU; refuses before the compile)
-  lower      model.pte + aoti_cuda_blob.ptd, so/<method>.so + weights blob + io.json (needs a GPU)
+  preflight  fallback kernels the programs need vs the target runtime (refuses before the compile): on a GPU
+             machine inside each method's lowering, on the edge program the lowering makes; on a machine
+             without one (nothing lowers there), on its own edge programs
+  lower      each method in its own worker, assembled into model.pte + aoti_cuda_blob.ptd (shared weights
+             stored once), so/<method>.so + weights blob + io.json (needs a GPU)
   audit      which ExecuTorch CUDA runtime releases can load each method's .so
   verify     the shipped artifact against eager at every seed and size, on torch's AOTI runner and ExecuTorch's
              C++ runtime (``verify.runtimes``; needs a GPU); the release the ExecuTorch runtime was built from is
@@ -20,15 +23,17 @@ after it.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence, Union
 
 from torch.export import ExportedProgram
 
 from . import audit, lowering, preflight
 from .artifact import PTD_NAME, PTE_NAME
-from .errors import LoweringError, NoGpuError, VerificationFailed
+from .errors import KernelPreflightRefused, LoweringError, NoGpuError, VerificationFailed, first_line
 from .manifest import write_manifest
 from .policy_check import policy_check_step
+from .preflight import PreflightResult
 from .report import RunReport, timed_stage
 from .run_folder import RunFolder
 from .verify import RunnerFactory, VerificationResult, verify_artifact
@@ -44,15 +49,16 @@ def run_gpu_steps(run: RunFolder, recipe, report: RunReport, *, lower: bool = Tr
     Failures are recorded as their stage's and raised; recording the run as failed is the caller's."""
     runtimes = choose_runtimes(recipe.verify.runtimes) if verify else None
     if lower:
-        programs = saved_programs(run, recipe.unit.methods)
-        preflight_step(programs, recipe, report)
+        files = program_files(run, recipe.unit.methods)
         try:
-            lower_step(programs, run, recipe, report)
+            lowering.cuda_device_info()
         except NoGpuError as exc:
-            for stage in GPU_STAGES[1:]:  # audit and verify have no artifact to work on
+            # Nothing lowers here: the kernel preflight still tells now whether the lowering would be refused.
+            preflight_step(saved_programs(run, recipe.unit.methods), recipe, report)
+            for stage in GPU_STAGES:
                 report.stage(stage, "skipped", None, exc.message)
             raise
-        del programs
+        lower_step(files, run, recipe, report)
     audited = audit_step(run, recipe, report)
     if verify:
         verify_step(run, recipe, report, runner_factory=runner_factory, runtimes=runtimes, audited=audited)
@@ -64,16 +70,21 @@ def run_gpu_steps(run: RunFolder, recipe, report: RunReport, *, lower: bool = Tr
         write_manifest(run, report)
 
 
-def saved_programs(run: RunFolder, methods: Sequence[str], kind: str = "rewritten") -> Dict[str, ExportedProgram]:
-    """The programs the export step saved in the run folder, one per method."""
-    programs = {}
+def program_files(run: RunFolder, methods: Sequence[str], kind: str = "rewritten") -> Dict[str, Path]:
+    """The files of the programs the export step saved in the run folder, one per method."""
+    files = {}
     for method in methods:
         path = run.program(kind, method)
         if not path.exists():
             raise LoweringError(f"{path} is missing: nothing to lower for method {method!r}",
                                 "export the recipe first (`python -m zoo.export RECIPE`); it saves the programs")
-        programs[method] = run.load_program(kind, method)
-    return programs
+        files[method] = path
+    return files
+
+
+def saved_programs(run: RunFolder, methods: Sequence[str], kind: str = "rewritten") -> Dict[str, ExportedProgram]:
+    """The programs the export step saved in the run folder, one per method."""
+    return {method: run.load_program(kind, method) for method in program_files(run, methods, kind)}
 
 
 def preflight_step(programs: Dict[str, ExportedProgram], recipe, report: RunReport) -> preflight.PreflightResult:
@@ -90,19 +101,39 @@ def preflight_step(programs: Dict[str, ExportedProgram], recipe, report: RunRepo
     return result
 
 
-def lower_step(programs: Dict[str, ExportedProgram], run: RunFolder, recipe,
-               report: RunReport) -> lowering.LoweringResult:
-    with timed_stage(report, "lower", f"lower to {PTE_NAME} + {PTD_NAME} (ExecuTorch CUDA backend)") as facts:
-        lowered = lowering.lower_to_pte(programs, run, recipe, run_preflight=False)
-        report.record("lowering", lowered.summary())
-        facts["detail"] = f"{PTE_NAME} {lowered.pte_bytes} B, {PTD_NAME} {lowered.ptd_bytes} B"
+def lower_step(programs: Mapping[str, Union[ExportedProgram, Path]], run: RunFolder, recipe, report: RunReport, *,
+               preflight: bool = True, **options: Any) -> lowering.LoweringResult:
+    """Lower every method (``programs``: each a program or its saved file; ``options`` go to
+    ``lowering.lower_to_pte``). With ``preflight``, the kernel preflight runs inside each method's lowering,
+    on its edge program, and is recorded as its own stage; a refusal fails that stage and nothing compiles."""
+    try:
+        with timed_stage(report, "lower", f"lower to {PTE_NAME} + {PTD_NAME} (ExecuTorch CUDA backend)") as facts:
+            lowered = lowering.lower_to_pte(programs, run, recipe, run_preflight=preflight, **options)
+            if lowered.preflight is not None:
+                result = PreflightResult.from_dict(lowered.preflight)
+                report.record("preflight", lowered.preflight)
+                # Recorded before "lower" (which timed_stage records as it closes), as the line runs.
+                report.stage("preflight", "done", round(result.seconds, 3),
+                             f"{result.nodes} ops, {len(result.needs)} fallback kernels (on the lowering's edge "
+                             "programs)")
+            report.record("lowering", lowered.summary())
+            facts["detail"] = (f"{PTE_NAME} {lowered.pte_bytes} B, {PTD_NAME} {lowered.ptd_bytes} B, "
+                               f"{lowered.workers['count']} at once")
+    except KernelPreflightRefused as exc:
+        # Refused by the preflight, before any compile: that stage failed, and the lowering never compiled.
+        report.stage("preflight", "failed", None, first_line(exc, limit=160))
+        report.stage("lower", "skipped", None, "the kernel preflight refused the program before compiling")
+        report.record("failed_stage", "preflight")
+        raise
     print(lowered.table())
     return lowered
 
 
 def audit_step(run: RunFolder, recipe, report: RunReport) -> audit.AuditResult:
     with timed_stage(report, "audit", "audit the compiled .so against ExecuTorch CUDA runtime releases") as facts:
-        audited = audit.audit_artifact(run.path)
+        # The executorch that wrote the .pte decides what later runtimes make of it (audit.release_caveats).
+        lowered_with = ((report.get("lowering") or {}).get("options") or {}).get("executorch")
+        audited = audit.audit_artifact(run.path, lowered_with=lowered_with)
         report.record("audit", audited.summary())
         target = recipe.lowering.runtime
         loads = audited.loadable(target) if target in audited.releases else False
@@ -112,13 +143,14 @@ def audit_step(run: RunFolder, recipe, report: RunReport) -> audit.AuditResult:
     return audited
 
 
-def verify_step(run: RunFolder, recipe, report: RunReport, *, runner_factory: Optional[RunnerFactory] = None,
-                runtimes: Optional[RuntimeChoice] = None,
-                audited: Optional[audit.AuditResult] = None) -> VerificationResult:
+def verify_step(run: RunFolder, recipe, report: RunReport, *,
+                runner_factory: Optional[RunnerFactory] = None, **options: Any) -> VerificationResult:
+    """zoo's verification of the run's artifact, recorded as the "verify" stage (``options`` go to
+    ``verify.verify_artifact``: the device, the runtimes, the audit, references already in memory)."""
+    audited = options.get("audited")
     with timed_stage(report, "verify", "verify the shipped artifact against eager on the GPU") as facts:
         try:
-            verified = verify_artifact(run, recipe, runner_factory=runner_factory, runtimes=runtimes,
-                                       audited=audited)
+            verified = verify_artifact(run, recipe, runner_factory=runner_factory, **options)
         except VerificationFailed as exc:
             result = getattr(exc, "result", None)
             if result is not None:

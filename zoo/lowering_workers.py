@@ -21,6 +21,7 @@ Each worker's folder (``work_dir/<method>/``): ``job.json``, ``worker.log`` (its
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -39,8 +40,11 @@ from .artifact import PTE_NAME, ensure_flatc
 from .assemble import AssembledProgram, ProgramPart, assemble_program
 from .errors import LoweringError
 from .progress import say as default_say
+from .sampling_profiler import SamplingProfiler
 
 ENV_MAX_WORKERS = "ZOO_LOWERING_WORKERS"
+# A folder: each worker writes a sampled profile of its lowering there, <method>.profile.txt (zoo.sampling_profiler).
+ENV_PROFILE_DIR = "ZOO_LOWERING_PROFILE_DIR"
 # The worker's command line. Not ``python -m zoo.lowering_workers``: that would run a second copy of this module
 # named __main__, whose LoweredMethod is another class than the one the lowering function returns.
 _WORKER_ENTRY = "import sys; from zoo.lowering_workers import main; sys.exit(main())"
@@ -59,7 +63,7 @@ class LoweredMethod:
 @dataclass
 class MethodJob:
     method: str
-    program: Path  # a torch.export .pt2 file holding this method's program
+    program: Any  # a torch.export .pt2 file holding this method's program (in this process also the program)
     options: Dict[str, Any] = field(default_factory=dict)  # JSON-able, handed to the lowering function
 
 
@@ -72,7 +76,7 @@ class MethodPart:
     data_files: Dict[str, Path]
     record: Dict[str, Any]
     seconds: float
-    log: Path
+    log: Optional[Path]  # the worker's stdout and stderr; None when lowered in this process
 
     def as_program_part(self) -> ProgramPart:
         return ProgramPart(label=self.method, pte=self.pte, data_files=dict(self.data_files))
@@ -94,19 +98,55 @@ def resolve_function(spec: str) -> Callable[..., LoweredMethod]:
     return function
 
 
+def choose_workers(jobs: int, *, requested: Optional[int] = None, configured: Optional[int] = None,
+                   per_worker_bytes: Optional[int] = None) -> Tuple[int, str]:
+    """How many methods to lower at once, and why: ``requested`` (the caller's), else ``ZOO_LOWERING_WORKERS``
+    (this machine's operator), else ``configured`` (the recipe's ``lowering.workers``), else one per method,
+    at most one per four cores (each worker's Inductor starts its own pool of compile processes) and at most
+    as many as the available memory holds at ``per_worker_bytes`` each. Never more than ``jobs``."""
+    jobs = max(jobs, 1)
+    env = os.environ.get(ENV_MAX_WORKERS)
+    if requested is not None:
+        value, why = requested, "asked for"
+    elif env:
+        try:
+            value = int(env)
+        except ValueError:
+            raise LoweringError(f"{ENV_MAX_WORKERS}={env!r} is not a whole number",
+                                f"set {ENV_MAX_WORKERS} to how many methods may lower at once") from None
+        why = f"{ENV_MAX_WORKERS}={env}"
+    elif configured is not None:
+        value, why = configured, f"recipe lowering.workers={configured}"
+    else:
+        cores = os.cpu_count() or 1
+        value, why = min(jobs, max(1, cores // 4)), f"one per method, at most one per 4 of {cores} cores"
+        available = available_memory_bytes()
+        if per_worker_bytes and available is not None:
+            fits = max(1, available // per_worker_bytes)
+            if fits < value:
+                value, why = fits, (f"as many as {available / 2**30:.0f} GiB of available memory holds at "
+                                    f"~{per_worker_bytes / 2**30:.1f} GiB each")
+    if value < 1:
+        raise LoweringError(f"{why}: {value} workers; at least 1 is needed",
+                            f"set {ENV_MAX_WORKERS} (or lowering.workers) to 1 or more, or leave it unset")
+    return min(value, jobs), why
+
+
 def default_max_workers(jobs: int) -> int:
     """``ZOO_LOWERING_WORKERS`` if set, else one worker per four cores, at most one per method."""
-    configured = os.environ.get(ENV_MAX_WORKERS)
-    if configured:
-        try:
-            value = int(configured)
-        except ValueError:
-            raise LoweringError(f"{ENV_MAX_WORKERS}={configured!r} is not a whole number",
-                                f"set {ENV_MAX_WORKERS} to how many methods may lower at once") from None
-        if value < 1:
-            raise LoweringError(f"{ENV_MAX_WORKERS}={value} must be at least 1", f"unset it or set it to 1 or more")
-        return min(value, max(jobs, 1))
-    return max(1, min(jobs, (os.cpu_count() or 1) // 4))
+    return choose_workers(jobs)[0]
+
+
+def available_memory_bytes() -> Optional[int]:
+    """MemAvailable of /proc/meminfo (Linux); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 # --- the parent --------------------------------------------------------------------------------------------
@@ -116,8 +156,8 @@ def default_max_workers(jobs: int) -> int:
 class _Running:
     job: MethodJob
     folder: Path
-    log: Path
-    process: subprocess.Popen
+    log: Optional[Path]  # None: lowered in this process, its output went to this process's
+    process: Optional[subprocess.Popen]  # None: lowered in this process
     started: float
 
 
@@ -138,7 +178,7 @@ def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
     worker_env = _worker_env(env)
     _resolve_as_worker(function, worker_env)  # refuse a bad name here, not once per worker
     for job in jobs:
-        if not Path(job.program).is_file():
+        if not isinstance(job.program, (str, Path)) or not Path(job.program).is_file():
             raise LoweringError(f"the program of method {job.method!r} is missing: {job.program}",
                                 "save each method's exported program (torch.export.save) before lowering")
     workers = max_workers if max_workers is not None else default_max_workers(len(jobs))
@@ -191,6 +231,41 @@ def lower_and_assemble(jobs: Sequence[MethodJob], function: str, work_dir: Path,
     return assembled, parts
 
 
+def lower_in_process(jobs: Sequence[MethodJob], function: str, work_dir: Path, *,
+                     pythonpath: Sequence[str] = (), say: Callable[[str], None] = default_say
+                     ) -> Dict[str, MethodPart]:
+    """The same lowering in this process, one method after another, leaving the same parts as the workers.
+
+    For debugging (a breakpoint in the lowering, one traceback) and for one method. A job's ``program`` may be
+    the program itself (it is handed to the function as it is: the caller copies it first if it must stay
+    unchanged) or a ``.pt2`` file, loaded when its turn comes. An error propagates as it is raised.
+    """
+    import torch
+
+    if not jobs:
+        raise LoweringError("no methods to lower", "the unit names its methods in unit.methods")
+    ensure_flatc()  # writing a .pte with external data runs flatc, as in a worker
+    saved = list(sys.path)
+    sys.path[:0] = [p for p in pythonpath if p]  # resolved as a worker with this PYTHONPATH would resolve it
+    try:
+        lower = resolve_function(function)
+    finally:
+        sys.path[:] = saved
+    parts: Dict[str, MethodPart] = {}
+    for job in jobs:
+        folder = _fresh_folder(Path(work_dir), job.method)
+        start = time.monotonic()
+        say(f"lowering {job.method} in this process")
+        program = torch.export.load(str(job.program)) if isinstance(job.program, (str, Path)) else job.program
+        lowered = lower(job.method, program, dict(job.options))
+        del program
+        _write_part(folder, job.method, lowered, job_function=function, seconds=time.monotonic() - start)
+        parts[job.method] = _collect(_Running(job=job, folder=folder, log=None, process=None, started=start),
+                                     time.monotonic() - start)
+        say(f"lowering {job.method}: done in {parts[job.method].seconds:.1f} s")
+    return parts
+
+
 def _worker_env(extra: Optional[Mapping[str, str]]) -> Dict[str, str]:
     """The parent's environment updated with ``extra``, and the folder holding this ``zoo`` first on PYTHONPATH
     (the worker imports the same zoo as the parent)."""
@@ -211,11 +286,16 @@ def _resolve_as_worker(function: str, env: Mapping[str, str]) -> None:
         sys.path[:] = saved
 
 
-def _start(job: MethodJob, function: str, work_dir: Path, env: Dict[str, str]) -> _Running:
-    folder = work_dir / job.method
+def _fresh_folder(work_dir: Path, method: str) -> Path:
+    folder = work_dir / method
     if folder.exists():
         shutil.rmtree(folder)  # an earlier run's files must not be taken for this run's
     folder.mkdir(parents=True)
+    return folder
+
+
+def _start(job: MethodJob, function: str, work_dir: Path, env: Dict[str, str]) -> _Running:
+    folder = _fresh_folder(work_dir, job.method)
     job_path = folder / "job.json"
     atomic.write_json(job_path, {"method": job.method, "program": str(Path(job.program).resolve()),
                                  "function": function, "options": job.options})
@@ -293,23 +373,20 @@ def run_worker(job_path: Path) -> int:
     job = json.loads(Path(job_path).read_text())
     method = job["method"]
     start = time.perf_counter()
+    profile_dir = os.environ.get(ENV_PROFILE_DIR)
+    # A sampled profile of this method's lowering (with Inductor's phase timers), kept where the parent asked.
+    profiling = (SamplingProfiler(Path(profile_dir) / f"{method}.profile.txt", title=f"lowering {method}")
+                 if profile_dir else contextlib.nullcontext())
     try:
         import torch
 
         ensure_flatc()
         function = resolve_function(job["function"])
-        program = torch.export.load(job["program"])
-        lowered = function(method, program, dict(job.get("options") or {}))
-        if not isinstance(lowered, LoweredMethod):
-            raise LoweringError(f"{job['function']} returned {type(lowered).__name__}, not a LoweredMethod",
-                                "return zoo.lowering_workers.LoweredMethod(program=..., record=...)")
-        with open(folder / f"{method}.pte", "wb") as fh:
-            lowered.program.write_to_file(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        lowered.program.write_tensor_data_to_file(str(folder))  # the .ptd files, if the program has any
-        atomic.write_json(folder / "result.json", {"method": method, "seconds": time.perf_counter() - start,
-                                                    "record": lowered.record})
+        with profiling:
+            program = torch.export.load(job["program"])
+            lowered = function(method, program, dict(job.get("options") or {}))
+            del program
+            _write_part(folder, method, lowered, job_function=job["function"], seconds=time.perf_counter() - start)
         print(f"[zoo worker] {method}: lowered in {time.perf_counter() - start:.1f} s", flush=True)
         return 0
     except BaseException as exc:  # every failure, KeyboardInterrupt included, is reported to the parent
@@ -319,6 +396,20 @@ def run_worker(job_path: Path) -> int:
             "message": getattr(exc, "message", None) or str(exc) or type(exc).__name__,
             "hint": getattr(exc, "hint", None), "traceback": traceback.format_exc()})
         return 1
+
+
+def _write_part(folder: Path, method: str, lowered: Any, *, job_function: str, seconds: float) -> None:
+    """What a lowering function returned, as the files the parent collects: ``<method>.pte``, the ``.ptd``
+    files, and ``result.json`` last."""
+    if not isinstance(lowered, LoweredMethod):
+        raise LoweringError(f"{job_function} returned {type(lowered).__name__}, not a LoweredMethod",
+                            "return zoo.lowering_workers.LoweredMethod(program=..., record=...)")
+    with open(folder / f"{method}.pte", "wb") as fh:
+        lowered.program.write_to_file(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    lowered.program.write_tensor_data_to_file(str(folder))  # the .ptd files, if the program has any
+    atomic.write_json(folder / "result.json", {"method": method, "seconds": seconds, "record": lowered.record})
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -202,7 +202,39 @@ def _audit_section(manifest: Mapping[str, Any]) -> List[str]:
         out += [" ".join(f"ExecuTorch {r['release']} was also tested {r['tested']} (its own C++ runtime with the CUDA "
                          "backend, built from source, running this `.pte` + `.ptd`)." for r in tested)
                 + " The other releases are inferred from the symbols.", ""]
-    return out
+    return out + _weights_section(manifest.get("audit"))
+
+
+def _weights_section(audit: Any) -> List[str]:
+    """What the audit found about the weights: the .ptd against one copy, and per release what loading every
+    method costs on the GPU (zoo.audit's ``weights`` and per-release ``caveats``; read in each runtime's source,
+    as the audit says)."""
+    if not isinstance(audit, Mapping):
+        return []
+    weights = audit.get("weights") if isinstance(audit.get("weights"), Mapping) else None
+    releases = audit.get("releases") if isinstance(audit.get("releases"), Mapping) else {}
+    caveats = [(str(r), c) for r, entry in releases.items() if isinstance(entry, Mapping)
+               for c in entry.get("caveats") or []]
+    if not weights and not caveats:
+        return []
+    out = ["### The weights on each runtime", ""]
+    if weights:
+        blobs = weights.get("blobs") or {}
+        one, ptd = weights.get("gpu_bytes_one_copy"), weights.get("ptd_bytes")
+        out.append(f"- `aoti_cuda_blob.ptd` is {_gib(ptd)}; the methods' weights blobs: "
+                   + ", ".join(f"`{m}` {_gib(b)}" for m, b in blobs.items()) + ".")
+        if len(blobs) > 1:
+            out.append("- " + ("Every method's weights blob is the same bytes, stored once in the file."
+                               if weights.get("shared") else "Each method's weights blob is stored apart.")
+                       + f" With every method loaded, a runtime that gives each method its own copy holds "
+                         f"{_gib(weights.get('gpu_bytes_each_method_own_copy'))} of weights on the GPU; one copy "
+                         f"is {_gib(one)}.")
+    out += [f"- ExecuTorch {release}: {text}" for release, text in caveats]
+    return out + [""]
+
+
+def _gib(n: Any) -> str:
+    return f"{n / 2**30:.2f} GiB" if isinstance(n, (int, float)) else "?"
 
 
 def _verification_section(manifest: Mapping[str, Any]) -> List[str]:

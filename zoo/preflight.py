@@ -28,13 +28,13 @@ import copy
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
-from .errors import LoweringError, first_line
+from .errors import KernelPreflightRefused, LoweringError, first_line
 from .report import format_table
 from .rewrites.result import source_line
 from .runtimes import compile_specs, load_runtimes, supported_fallback_kernels
@@ -89,6 +89,22 @@ class PreflightResult:
     def as_dict(self) -> Dict[str, Any]:
         return {"runtime": self.runtime, "ok": self.ok, "nodes": self.nodes, "seconds": round(self.seconds, 3),
                 "needs": [asdict(n) for n in self.needs], "notes": list(self.notes)}
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "PreflightResult":
+        return cls(runtime=data["runtime"], needs=[KernelNeed(**n) for n in data["needs"]], nodes=data["nodes"],
+                   seconds=data["seconds"], notes=list(data.get("notes", [])))
+
+    @classmethod
+    def merged(cls, results: Sequence["PreflightResult"]) -> "PreflightResult":
+        """One result from the per-method results of one runtime (methods preflighted apart, e.g. each in its
+        own lowering worker)."""
+        runtimes = {r.runtime for r in results}
+        if len(runtimes) != 1:
+            raise ValueError(f"preflight results of different runtimes {sorted(runtimes)} cannot be merged")
+        return cls(runtime=runtimes.pop(), needs=[n for r in results for n in r.needs],
+                   nodes=sum(r.nodes for r in results), seconds=sum(r.seconds for r in results),
+                   notes=[n for r in results for n in r.notes])
 
     def table(self) -> str:
         if not self.needs:
@@ -491,7 +507,7 @@ def require_kernels(programs: Dict[str, ExportedProgram], runtime: str = "1.2", 
     result = check_kernels(programs, runtime, triton_kernel_mode=triton_kernel_mode, capability=capability)
     if not result.ok:
         lines = [f"  - {n.method}: {n.kernel} (from {n.source_op} at {n.where}): {n.why}" for n in result.refused]
-        raise LoweringError(
+        raise KernelPreflightRefused(
             f"kernel preflight: {len(result.refused)} kernel(s) the ExecuTorch CUDA runtime {runtime} cannot run; "
             "refusing before the compile:\n" + "\n".join(lines),
             "rewrite these ops (e.g. views instead of split/chunk copies, float32 instead of int64 scatter-add, "

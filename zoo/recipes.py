@@ -81,6 +81,9 @@ class Lowering:
     # LingBot-VA's KV pool: "buffer" (mutable buffer inside each method's .so) or "io" (passed in and out).
     kv_pool: str = "buffer"
     runtime: str = "1.2"  # the ExecuTorch CUDA runtime release the kernel preflight checks against
+    # Methods lowered at once, each in its own worker process (None: one per method, as the machine's cores and
+    # memory allow; 1: one after another in the zoo process, for debugging). ZOO_LOWERING_WORKERS overrides it.
+    workers: Optional[int] = None
 
 
 @dataclass
@@ -220,6 +223,8 @@ class Recipe:
             fail(f"policy_check.tolerance.bf16_min_cosine={check.tolerance.bf16_min_cosine}", "a cosine lies in [-1, 1]")
         if self.lowering.max_mm_configs is not None and self.lowering.max_mm_configs < 1:
             fail(f"lowering.max_mm_configs={self.lowering.max_mm_configs}", "use null (no cap) or a count >= 1")
+        if self.lowering.workers is not None and self.lowering.workers < 1:
+            fail(f"lowering.workers={self.lowering.workers}", "use null (as the machine allows) or a count >= 1")
         return self
 
     def _validate_source(self, fail) -> None:

@@ -33,14 +33,14 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.utils import _pytree as pytree
 
 from . import audit, numerics
 from .aoti_runner import AotiRunner
-from .artifact import extract_method_files
+from .artifact import extract_method_files, reusable_method_files
 from .errors import NoGpuError, RuntimeCallFailed, VerificationFailed, first_line
 from .policies.base import InputSpec
 from .report import format_table
@@ -324,13 +324,20 @@ def _to_fp32(t: torch.Tensor) -> torch.Tensor:
 def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional[str] = None,
                     runner_factory: Optional[RunnerFactory] = None, raise_on_failure: bool = True,
                     runtimes: Union[RuntimeChoice, Sequence[str], None] = None,
-                    audited: Optional[audit.AuditResult] = None) -> VerificationResult:
+                    audited: Optional[audit.AuditResult] = None,
+                    references: Optional[Mapping[str, Mapping[str, Callable[..., Any]]]] = None
+                    ) -> VerificationResult:
     """Run the shipped artifact against eager at every seed and size on each chosen runtime; ``VerificationFailed``
     (carrying the result as ``.result``) when any output is out of tolerance or a runtime failed unexpectedly.
 
     ``runtimes``: a ``RuntimeChoice``, a ``verify.runtimes`` setting, or None for the recipe's own. ``audited``:
     the run's audit, which says whether a failure of the ExecuTorch runtime was predicted (audited here if None
-    and needed)."""
+    and needed).
+
+    ``references``: the eager references already in memory on ``device``, ``{"exported": {method: callable},
+    "reference_fp32": {method: callable}}`` (the unit's own modules and their float32 copy), instead of the
+    programs saved in the run folder: at real size those are ~10 GB (bf16) and ~20 GB (float32) per method,
+    more disk and load time than the run is worth. The same judgement applies either way."""
     start = time.perf_counter()
     run = RunFolder(run_dir)
     device = device or _default_device()
@@ -357,9 +364,12 @@ def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional
     def run_all(runtime: str, call: Callable[[str, List[torch.Tensor]], List[torch.Tensor]], rows: List[Row]) -> None:
         """Every seed, size and method through ``call``, compared with eager; rows are appended as they come, so
         a runtime that fails half way keeps what it compared."""
-        eager = {m: _eager_module(run.program("exported", m), device) for m in methods}
-        ref32 = ({m: _eager_module(run.program("reference_fp32", m), device) for m in methods}
-                 if low_precision else {})
+        def reference(kind: str, m: str):
+            given = (references or {}).get(kind) or {}
+            return given[m] if m in given else _eager_module(run.program(kind, m), device)
+
+        eager = {m: reference("exported", m) for m in methods}
+        ref32 = {m: reference("reference_fp32", m) for m in methods} if low_precision else {}
         seen = set()
         for seed in recipe.verify.seeds:
             for sizes in cases:
@@ -385,7 +395,7 @@ def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional
     outcomes: Dict[str, Dict[str, Any]] = {}
     if "aoti" in choice.runtimes:
         orders = {m: run.io_order(m) for m in methods}
-        with shipped_runners(run.pte, run.ptd, methods, factory, device) as runners:
+        with shipped_runners(run.pte, run.ptd, methods, factory, device, so_dir=run.so_dir) as runners:
 
             def call_so(m: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
                 return run_in_delegate_order(runners[m], orders[m], inputs)
@@ -458,13 +468,20 @@ def run_in_delegate_order(runner: Any, order: Dict[str, Any], inputs: Sequence[t
 
 @contextlib.contextmanager
 def shipped_runners(pte: Path, ptd: Path, methods: Sequence[str], factory: RunnerFactory,
-                    device: str) -> Iterator[Dict[str, Any]]:
-    """A runner per method over the bytes that ship: each method's .so and weights taken out of model.pte /
-    aoti_cuda_blob.ptd as they are on disk now (not the copies lowering left in so/), so a swapped or edited
-    file is what gets run. The extracted files live only while the runners are in use."""
-    shipped_dir = Path(tempfile.mkdtemp(prefix=".verify.tmp-", dir=pte.parent))
+                    device: str, so_dir: Optional[Path] = None) -> Iterator[Dict[str, Any]]:
+    """A runner per method over the bytes that ship: each method's .so and weights as model.pte /
+    aoti_cuda_blob.ptd hold them now, so a swapped or edited file is what gets run. With ``so_dir`` (the run
+    folder's ``so/``), the files extracted there are used while its stamp says they are these very .pte/.ptd
+    files' bytes, untouched (``artifact.reusable_method_files``: no second ~10 GB copy of a real-size blob);
+    otherwise only ``methods`` are extracted, a shared weights segment once, into a folder that lives only while
+    the runners are in use."""
+    ptd_there = ptd if ptd.exists() else None
+    shipped = reusable_method_files(pte, ptd_there, so_dir, methods) if so_dir is not None else None
+    shipped_dir = None
     try:
-        shipped = extract_method_files(pte, ptd if ptd.exists() else None, shipped_dir)
+        if shipped is None:
+            shipped_dir = Path(tempfile.mkdtemp(prefix=".verify.tmp-", dir=pte.parent))
+            shipped = extract_method_files(pte, ptd_there, shipped_dir, methods)
         runners = {}
         for m in methods:
             if m not in shipped:
@@ -473,4 +490,5 @@ def shipped_runners(pte: Path, ptd: Path, methods: Sequence[str], factory: Runne
             runners[m] = factory(m, shipped[m]["so"], shipped[m]["weights"], device)
         yield runners
     finally:
-        shutil.rmtree(shipped_dir, ignore_errors=True)
+        if shipped_dir is not None:
+            shutil.rmtree(shipped_dir, ignore_errors=True)

@@ -382,15 +382,16 @@ def artifact_candidate(run_dir: Path, method: str, device: str) -> Candidate:
 
 
 class ArtifactMethod:
-    """One lowered method run exactly as verification runs it: the .so and weights blob taken out of the
-    shipped model.pte / aoti_cuda_blob.ptd (``verify.shipped_runners``), inputs handed over in the delegate's
-    order (``verify.run_in_delegate_order``)."""
+    """One lowered method run exactly as verification runs it: the .so and weights blob of the shipped
+    model.pte / aoti_cuda_blob.ptd (``verify.shipped_runners``: the run's so/ while its stamp says it holds their
+    bytes, else taken out of them), inputs handed over in the delegate's order (``verify.run_in_delegate_order``)."""
 
     def __init__(self, run_dir: Path, method: str, device: str = "cuda"):
         run = RunFolder(run_dir)
         self.order = run.io_order(method)
         self._open = contextlib.ExitStack()
-        runners = self._open.enter_context(shipped_runners(run.pte, run.ptd, [method], aoti_runner_factory, device))
+        runners = self._open.enter_context(shipped_runners(run.pte, run.ptd, [method], aoti_runner_factory, device,
+                                                           so_dir=run.so_dir))
         self.runner = runners[method]
 
     def __call__(self, args: Sequence[torch.Tensor]) -> List[torch.Tensor]:

@@ -35,7 +35,7 @@ from lerobot.configs import PreTrainedConfig
 from lerobot.policies.fastwam.configuration_fastwam import FastWAMConfig
 from lerobot.policies.fastwam.modeling_fastwam import FastWAMPolicy
 from lerobot.policies.fastwam.processor_fastwam import make_fastwam_pre_post_processors
-from lerobot.policies.fastwam.wan import WanVideoVAE38
+from lerobot.policies.fastwam.wan import ActionDiT, WanVideoDiT, WanVideoVAE38
 from lerobot.policies.fastwam.wan.components import WAN22_DIFFUSERS_MODEL_ID
 
 from ..errors import ExportError, PullError, RecipeError
@@ -43,6 +43,7 @@ from ..hub_cache import hub_environment, put_in_cache
 from ..recipes import Recipe
 from ..runner.prompt import PromptEmbedding
 from .base import ExportUnit, InputSpec, MethodSpec, feature_record
+from .fast_init import built_on_meta
 from .tiny_wan import tiny_wan22_vae
 
 FAMILY = "fast_wam"
@@ -351,7 +352,12 @@ def load_policy(checkpoint_dir: Path, dtype: str) -> FastWAMPolicy:
         raise PullError(f"{checkpoint_dir} has no model.safetensors",
                         "LeRobot policies load one unsharded model.safetensors; re-download the checkpoint")
     try:
-        policy = FastWAMPolicy.from_pretrained(checkpoint_dir, config=config, strict=True)
+        # The experts' parameters are built on meta and take the file's tensors by assignment: LeRobot's
+        # constructor would initialise the Wan backbone's blocks twice (WanModel, then WanVideoDiT) in float32
+        # before the file overwrites them (zoo.policies.fast_init). The VAE, loaded by diffusers inside the
+        # constructor, is built as before.
+        with built_on_meta(FastWAMPolicy, [WanVideoDiT, ActionDiT]):
+            policy = FastWAMPolicy.from_pretrained(checkpoint_dir, config=config, strict=True)
     except SafetensorError as exc:
         raise PullError(f"{checkpoint_dir}/model.safetensors is not a readable safetensors file: {exc}",
                         "the file is truncated or corrupt: re-download the checkpoint") from None

@@ -31,11 +31,13 @@ from ..recipes import Recipe
 from ..runner.prompt import PromptEmbedding
 from .base import ExportUnit, InputSpec, MethodSpec, feature_record
 from . import lingbot_va_vae as vae_stream
+from .fast_init import built_on_meta
 from .lingbot_va_pool import PoolStep, zero_pools
 from .tiny_wan import Z_DIM, tiny_wan22_vae
 
 # lerobot is the policies extra: zoo.policies.load_family turns a failed import into an ExportError with a hint.
 from lerobot.policies.lingbot_va import LingBotVAConfig, LingBotVAPolicy
+from lerobot.policies.lingbot_va.utils import WanTransformer3DModel
 
 FAMILY = "lingbot_va"
 POLICY_TYPE = "lingbot_va"  # the "type" key LeRobot writes into config.json for this policy
@@ -158,7 +160,10 @@ def load_policy(checkpoint_dir: Path, recipe: Recipe) -> LingBotVAPolicy:
     try:
         # The policy builds the transformer, casts it whole to config.dtype (modeling_lingbot_va.py:95, as
         # LeRobot's inference does), then loads the file; strict=True turns missing/unexpected keys into errors.
-        policy = LingBotVAPolicy.from_pretrained(checkpoint_dir, config=config, strict=True)
+        # The transformer's parameters are built on meta and take the file's tensors by assignment: no random
+        # initialisation of 5 B values that the file overwrites (zoo.policies.fast_init).
+        with built_on_meta(LingBotVAPolicy, [WanTransformer3DModel]):
+            policy = LingBotVAPolicy.from_pretrained(checkpoint_dir, config=config, strict=True)
     except Exception as exc:  # safetensors' own error type, RuntimeError for key/shape mismatch, OSError
         raise PullError(f"the weights in {checkpoint_dir / SAFETENSORS} do not load into LingBot-VA "
                         f"({config.num_layers} layers, {config.num_attention_heads} heads): {_short(exc)}",

@@ -1,0 +1,92 @@
+"""LeRobot's real policy classes built on meta (zoo.policies.fast_init) against LeRobot's own
+``from_pretrained`` (random initialisation, then ``load_state_dict``), from the same tiny checkpoint.
+
+Every tensor a policy holds must be the same: the state_dict (values, dtypes, ``requires_grad``), every
+buffer, and the plain tensor attributes the constructors compute (Wan's rope tables), for a float32 unit
+(the bf16 file cast on load) and a bf16 unit (the file's tensors used as read).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lerobot")
+pytestmark = pytest.mark.policies
+
+from huggingface_hub import snapshot_download  # noqa: E402
+
+from zoo.hub_cache import hub_environment, put_in_cache  # noqa: E402
+from zoo.policies import fast_init, load_family  # noqa: E402
+from zoo.recipes import load_recipe  # noqa: E402
+
+
+def fabricated(family, recipe, root: Path):
+    repos = family.fabricate_checkpoint(recipe, root / "fabricated")
+    cache = root / "cache"
+    for repo_id, folder in repos.items():
+        put_in_cache(repo_id, folder, cache)
+    with hub_environment(cache, offline=True):
+        return cache, Path(snapshot_download(recipe.source.repo_id))
+
+
+def every_tensor(*modules) -> dict:
+    out = {}
+    for i, module in enumerate(modules):
+        out.update({f"{i}:sd:{k}": v for k, v in module.state_dict(keep_vars=True).items()})
+        out.update({f"{i}:buf:{k}": v for k, v in module.named_buffers(remove_duplicate=False)})
+        out.update({f"{i}:attr:{k}": v for k, v in fast_init.plain_tensor_attributes(module).items()})
+    return out
+
+
+def assert_same_tensors(normal: dict, fast: dict) -> None:
+    assert sorted(normal) == sorted(fast)
+    assert len(normal) > 20
+    for name, a in normal.items():
+        b = fast[name]
+        assert b.device.type == "cpu", name
+        assert (a.dtype, tuple(a.shape), a.requires_grad) == (b.dtype, tuple(b.shape), b.requires_grad), name
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lingbot_va_built_on_meta_holds_what_from_pretrained_gives(tmp_path, dtype):
+    from lerobot.policies.lingbot_va import LingBotVAPolicy
+    from lerobot.policies.lingbot_va.utils import WanTransformer3DModel
+
+    lingbot_va = load_family("lingbot_va")
+    recipe = load_recipe("lingbot-va-tiny", [f"unit.dtype={dtype}"])
+    cache, checkpoint = fabricated(lingbot_va, recipe, tmp_path)
+    with hub_environment(cache, offline=True):
+        torch.manual_seed(0)
+        normal = lingbot_va.load_policy(checkpoint, recipe)
+        torch.manual_seed(1)
+        with fast_init.built_on_meta(LingBotVAPolicy, [WanTransformer3DModel]):
+            fast = lingbot_va.load_policy(checkpoint, recipe)
+    assert fast_init.same_structure(normal, fast) == []
+    assert_same_tensors(every_tensor(normal), every_tensor(fast))
+    assert fast.transformer.rope.f_freqs_base.dtype == torch.float64  # computed, not loaded
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fast_wam_built_on_meta_holds_what_from_pretrained_gives(tmp_path, dtype):
+    from lerobot.policies.fastwam.modeling_fastwam import FastWAMPolicy
+    from lerobot.policies.fastwam.wan import ActionDiT, WanVideoDiT
+
+    fast_wam = load_family("fast_wam")
+    recipe = load_recipe("fast-wam-tiny", [f"unit.dtype={dtype}"])
+    cache, checkpoint = fabricated(fast_wam, recipe, tmp_path)
+    with hub_environment(cache, offline=True):
+        torch.manual_seed(0)
+        normal = fast_wam.load_policy(checkpoint, dtype)
+        torch.manual_seed(1)
+        with fast_init.built_on_meta(FastWAMPolicy, [WanVideoDiT, ActionDiT]):
+            fast = fast_wam.load_policy(checkpoint, dtype)
+    assert fast_init.same_structure(normal, fast) == []
+    # The experts are plain attributes of FastWAM (mot owns their blocks); the VAE is loaded by diffusers,
+    # outside the meta scope, and must be the real one.
+    parts = lambda p: (p, p.model.video_expert, p.model.action_expert, p.model.vae)  # noqa: E731
+    assert_same_tensors(every_tensor(*parts(normal)), every_tensor(*parts(fast)))
+    assert fast.model.video_expert.freqs.dtype == torch.complex128  # computed, not loaded

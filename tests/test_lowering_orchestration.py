@@ -1,0 +1,197 @@
+"""The lowering's orchestration on the CPU, through the same code path as the CUDA lowering
+(``zoo.lowering.lower_to_pte``): the shared constant plan, methods lowered side by side in worker processes
+(or one after another in this process), assembled into one model.pte + aoti_cuda_blob.ptd, each method's .so
+and weights extracted to so/, then zoo's own verification of the artifact against eager.
+
+The per-method lowering injected here is ExecuTorch's AOTI backend compiling for the CPU
+(tests/fixtures/aoti_cpu_probe.py: AotiBackend.preprocess with the device set to the CPU), run by zoo's own
+per-method lowering (edge step, kernel preflight on that edge program, backend, constant plan); the shipped
+.so files run in torch's AOTI CPU runner. Only the device differs from the GPU path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from zoo import artifact, audit, lowering, verify
+from zoo.policies.base import InputSpec
+from zoo.run_folder import RunFolder
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
+from aoti_cpu_probe import PROBE_LOWERING, CpuRunner  # noqa: E402
+
+DIM = 64
+METHODS = ("observe", "act")
+
+
+class Trunk(nn.Module):
+    """A trunk both methods read (most of the weights) and a small head of each method's own, like
+    LingBot-VA's transformer blocks and its per-stream embeddings and projections."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(nn.Linear(DIM, DIM), nn.GELU(), nn.Linear(DIM, DIM), nn.GELU(),
+                                    nn.Linear(DIM, DIM))
+        self.observe_head = nn.Linear(DIM, 2)
+        self.act_head = nn.Linear(DIM, 2)
+        self.table = torch.linspace(-1.0, 1.0, DIM)  # a plain tensor attribute: a lifted constant
+
+
+class Observe(nn.Module):
+    def __init__(self, unit: Trunk) -> None:
+        super().__init__()
+        self.unit = unit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.unit.observe_head(self.unit.blocks(x) + self.unit.table)
+
+
+class Act(nn.Module):
+    def __init__(self, unit: Trunk) -> None:
+        super().__init__()
+        self.unit = unit
+
+    def forward(self, noise: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # Inputs used in the other order than given: the delegate's order differs from the signature's.
+        return self.unit.act_head(self.unit.blocks(x) * self.unit.table) + noise
+
+
+IO = {"observe": {"inputs": [{"name": "x", "dtype": "float32", "shape": [3, DIM], "sampler": "normal"}],
+                  "outputs": ["obs"]},
+      "act": {"inputs": [{"name": "noise", "dtype": "float32", "shape": [3, 2], "sampler": "normal"},
+                         {"name": "x", "dtype": "float32", "shape": [3, DIM], "sampler": "normal"}],
+              "outputs": ["action"]}}
+
+
+def programs():
+    unit = Trunk()
+    modules = {"observe": Observe(unit), "act": Act(unit)}
+    with torch.no_grad():
+        return {"observe": torch.export.export(modules["observe"], (torch.randn(3, DIM),)),
+                "act": torch.export.export(modules["act"], (torch.randn(3, 2), torch.randn(3, DIM)))}
+
+
+def run_folder(path: Path):
+    """A run folder as the export step leaves it (recipe, io_spec, exported programs), and the recipe."""
+    run = RunFolder(path)
+    path.mkdir(parents=True)
+    (path / "recipe.yaml").write_text(OmegaConf.to_yaml({
+        "name": "orchestration-toy", "family": "llama", "source": {"repo_id": "none/none"},
+        "unit": {"methods": list(METHODS), "dtype": "float32"},
+        "lowering": {"triton_kernel_mode": "OFF"}, "verify": {"seeds": [0, 1]}}))
+    run.write_io_spec({"dtype": "float32", "methods": IO, "dynamic": {}})
+    for method, program in programs().items():
+        run.save_program(program, "exported", method)
+    return run, run.load_recipe()
+
+
+def verified(run, recipe):
+    return verify.verify_artifact(run, recipe, device="cpu", runner_factory=CpuRunner, runtimes=["aoti"])
+
+
+@pytest.fixture(scope="module")
+def lowered(tmp_path_factory):
+    """The same unit lowered twice: both methods at once in two worker processes, and one after another in
+    this process (``workers=1``)."""
+    root = tmp_path_factory.mktemp("orchestration")
+    out = {}
+    for name, workers in (("parallel", 2), ("sequential", 1)):
+        run, recipe = run_folder(root / name)
+        lines = []
+        result = lowering.lower_to_pte(programs(), run, recipe, workers=workers, method_lowering=PROBE_LOWERING,
+                                       say=lines.append)
+        out[name] = {"run": run, "recipe": recipe, "result": result, "lines": lines}
+    return out
+
+
+def test_parallel_and_sequential_lowerings_verify_alike_against_eager(lowered):
+    par, seq = (lowered[k] for k in ("parallel", "sequential"))
+    assert par["result"].workers == {"count": 2, "why": "asked for", "in_process": False}
+    assert seq["result"].workers["in_process"] is True
+    assert any(line.startswith("lowering observe: worker ") for line in par["lines"])  # a worker process each
+    got = {k: verified(v["run"], v["recipe"]) for k, v in lowered.items()}
+    assert got["parallel"].ok and got["sequential"].ok
+    rows = {k: [(r.method, r.seed, r.output, r.max_abs, r.rel_l2, r.cosine) for r in v.rows] for k, v in got.items()}
+    assert rows["parallel"] == rows["sequential"]
+    assert sorted({(m, s) for m, s, *_ in rows["parallel"]}) == sorted((m, s) for m in METHODS for s in (0, 1))
+    # Against eager directly as well, with the inputs verification draws (the .so takes act's inputs permuted).
+    eager = {m: p.module() for m, p in programs().items()}
+    for method in METHODS:
+        order = par["run"].io_order(method)
+        specs = [InputSpec(**d) for d in IO[method]["inputs"]]
+        inputs = verify.draw_inputs(specs, {}, 0, method)
+        files = artifact.reusable_method_files(par["run"].pte, par["run"].ptd, par["run"].so_dir, [method])
+        got_out = verify.run_in_delegate_order(CpuRunner(method, files[method]["so"], files[method]["weights"],
+                                                         "cpu"), order, inputs)
+        torch.testing.assert_close(got_out[0], eager[method](*inputs), rtol=1e-5, atol=1e-5)
+    assert par["run"].io_order("act")["input_order"] == [1, 0]
+
+
+def test_the_ptd_holds_the_shared_weights_once(lowered):
+    result = lowered["parallel"]["result"]
+    weights = result.weights
+    assert weights["plan"]["applied"] is True and weights["stored_once"] is True
+    assert weights["segments"] == [["observe_weights_blob", "act_weights_blob"]]
+    # Independently of the plan's own count: the parameter bytes the two methods use, from the eager unit.
+    unit = Trunk()
+    used = sum(p.numel() * p.element_size() for p in unit.parameters()) + unit.table.numel() * 4
+    assert result.ptd_bytes <= 1.05 * used
+    assert weights["shared_bytes"] == weights["entries"]["act_weights_blob"] > 0.9 * used
+    seq = lowered["sequential"]
+    assert seq["run"].ptd.read_bytes() == lowered["parallel"]["run"].ptd.read_bytes()
+    assert "observe = act (one segment)" in result.table()
+
+
+def test_the_shared_blob_is_extracted_once_and_reused_while_unchanged(lowered, tmp_path):
+    run = lowered["parallel"]["run"]
+    observe, act = run.weights_file("observe"), run.weights_file("act")
+    assert os.stat(observe).st_ino == os.stat(act).st_ino  # one file, two names
+    assert lowered["parallel"]["result"].methods["act"].shares_weights_with == "observe"
+    reused = artifact.reusable_method_files(run.pte, run.ptd, run.so_dir, list(METHODS))
+    assert reused is not None and reused["act"]["weights"] == act and reused["observe"]["so"] == run.so_file("observe")
+    # A copied run folder (other files), a .ptd written over, an edited .so: extracted again, never reused.
+    copy = RunFolder(tmp_path / "copy")
+    shutil.copytree(run.path, copy.path)
+    assert artifact.reusable_method_files(copy.pte, copy.ptd, copy.so_dir, list(METHODS)) is None
+    shutil.copyfile(lowered["sequential"]["run"].ptd, run.ptd)  # the same bytes, but another write
+    assert artifact.reusable_method_files(run.pte, run.ptd, run.so_dir, list(METHODS)) is None
+    files = artifact.extract_method_files(run.pte, run.ptd, run.so_dir)
+    assert artifact.reusable_method_files(run.pte, run.ptd, run.so_dir, list(METHODS)) is not None
+    with open(files["observe"]["so"], "r+b") as fh:
+        fh.seek(100)
+        fh.write(b"\0")
+    assert artifact.reusable_method_files(run.pte, run.ptd, run.so_dir, list(METHODS)) is None
+
+
+def test_the_lowering_record_has_per_method_times_the_plan_and_the_preflight(lowered):
+    summary = lowered["parallel"]["result"].summary()
+    for method in METHODS:
+        record = summary["methods"][method]
+        assert record["seconds"] > 0 and {"edge", "preflight", "backend", "to_executorch"} <= set(record["stage_seconds"])
+        assert record["constants"]["plan_order"] is True
+    assert summary["methods"]["act"]["constants"]["added"] >= 2  # observe's head, which act's graph never reads
+    assert summary["preflight"]["ok"] is True and summary["preflight"]["nodes"] > 0
+    assert {"plan", "save_programs", "methods", "assemble", "extract"} <= set(summary["stage_seconds"])
+    assert not list(lowered["parallel"]["run"].path.glob(".lowering.tmp-*"))  # parts and saved programs gone
+    # The method's own output names, not the ones the lowered program gives its delegate's outputs.
+    assert json.loads(lowered["parallel"]["run"].io_order_file("act").read_text())["output_names"] == list(
+        programs()["act"].graph_signature.user_outputs)
+
+
+def test_the_audit_states_what_each_runtime_does_with_the_weights(lowered):
+    run = lowered["parallel"]["run"]
+    facts = audit.weights_facts(run.path)
+    blob = facts["blobs"]["act"]
+    assert facts["shared"] is True and facts["blobs"] == {"observe": blob, "act": blob}
+    assert facts["gpu_bytes_each_method_own_copy"] == 2 * blob and facts["gpu_bytes_one_copy"] == blob
+    assert facts["ptd_bytes"] == run.ptd.stat().st_size
