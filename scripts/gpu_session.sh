@@ -4,16 +4,18 @@
 #   scripts/gpu_session.sh BUNDLE_DIR ET_SRC WORK [--no-real]         (returns once every job is started)
 #   scripts/gpu_jobs.sh wait WORK 560; scripts/gpu_jobs.sh collect WORK $OUT real/summary.txt ...   (later calls)
 #
-# Jobs (scripts/gpu_jobs.sh), in this order, so that the real-size export runs alone on the machine:
-#   runtime   scripts/build_runtime.sh ET_SRC WORK/runtime: ExecuTorch's C++ runtime with the CUDA backend + zoo_runner
-#   tiny      scripts/gpu_check.sh BUNDLE_DIR on the three tiny recipes and the float32-pair variants of the two
-#             DiT recipes, each exported, lowered, verified on torch's AOTI runner and policy-checked on the GPU
-#             (beside the runtime build: both are small, and neither is timed against a target)
-#   tiny-et   after both: scripts/gpu_runtime_check.py on those run folders: verification on both runtimes
-#             (the same inputs, seeds, sizes, tolerances) and LingBot-VA's 3-call KV pool sequence in zoo_runner
-#   real      after tiny-et, alone: scripts/real_size.py on LingBot-VA's two DiT methods under the sampling
-#             profiler (build, export, rewrite, parallel lowering, assembly, audit, verification, bench, sizes)
-#   real-et   after real: action_step of that run on zoo_runner against the AOTI runner (latency, GPU memory)
+# Jobs (scripts/gpu_jobs.sh). The real-size export is the session's long pole (about 20 minutes), and a session
+# has about 25 minutes of machine, so the small jobs run beside it at the lowest CPU priority (nice 19) and are
+# done before its verification and bench, which time the GPU; its profile's load timeline shows what ran beside it:
+#   real      scripts/real_size.py on LingBot-VA's two DiT methods under the sampling profiler (build, export,
+#             rewrite, parallel lowering, assembly, audit, verification, bench, sizes), at normal priority
+#   runtime   (nice) scripts/build_runtime.sh ET_SRC WORK/runtime: ExecuTorch's C++ runtime + CUDA backend + zoo_runner
+#   tiny      (nice) scripts/gpu_check.sh BUNDLE_DIR on the three tiny recipes and the float32-pair variants of
+#             the two DiT recipes: exported, lowered, verified on torch's AOTI runner, policy-checked on the GPU
+#   tiny-et   (nice) after runtime and tiny: scripts/gpu_runtime_check.py on those run folders: verification on
+#             both runtimes (same inputs, seeds, sizes, tolerances) and LingBot-VA's 3-call KV pool sequence
+#   real-et   after real and runtime: action_step of the real-size run on zoo_runner against the AOTI runner
+#             (latency, GPU memory after loading)
 # Every job writes its log under WORK/jobs/NAME and its tables and JSON under WORK; nothing here waits for them.
 set -uo pipefail
 [ $# -ge 3 ] || { sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
@@ -30,7 +32,7 @@ TINY=(llama-rope-tiny lingbot-va-tiny fast-wam-tiny lingbot-va-tiny+f32pairs fas
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
-# What the jobs after `tiny` run with: gpu_check.sh installs the bundle into SITE first.
+# What the Python jobs run with (gpu_check.sh installs its own copy of the bundle for the tiny job).
 cat > "$WORK/env.sh" <<EOF
 export PYTHONPATH="$SITE:$REPO" FLATC_EXECUTABLE="$SITE/executorch/data/bin/flatc"
 export HF_HUB_CACHE="$BUNDLE/hub" ZOO_TINY_HUB_CACHE="$BUNDLE/hub" HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -38,16 +40,25 @@ export ZOO_ET_RUNNER="$RUNNER"
 EOF
 in_env() { echo "source $WORK/env.sh && cd $REPO && $*"; }
 
-"$J" start "$WORK" runtime --limit 540 -- bash scripts/build_runtime.sh "$ET_SRC" "$WORK/runtime"
-"$J" start "$WORK" tiny --limit 560 -- env ZOO_SITE="$SITE" ZOO_RUNS="$RUNS" bash scripts/gpu_check.sh "$BUNDLE" "${TINY[@]}"
-runs=(); for r in "${TINY[@]}"; do runs+=("$RUNS/$r"); done
-"$J" start "$WORK" tiny-et --after runtime,tiny --limit 420 -- bash -c "$(in_env python3 scripts/gpu_runtime_check.py \
-  "${runs[*]}" --runner "$RUNNER" --steps 3 --out "$WORK/runtime-check")"
+# The real-size job imports from SITE from its first second: install it here, before anything starts.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+  "$BUNDLE"/wheels/*.whl || { echo "gpu_session: offline install failed" >&2; exit 2; }
+chmod +x "$SITE/executorch/data/bin/flatc"
+mkdir -p "$WORK/real" "$WORK/runs"
 if [ "$REAL" = 1 ]; then
-  "$J" start "$WORK" real --after tiny-et --limit 1500 -- bash -c "$(in_env python3 -m zoo.sampling_profiler \
+  "$J" start "$WORK" real --limit 1500 -- bash -c "$(in_env python3 -m zoo.sampling_profiler \
     --out "$WORK/real/profile.txt" scripts/real_size.py --out "$WORK/real" --recipe lingbot-va \
     --methods video_step,action_step --runs 10 --warmup 2)"
-  "$J" start "$WORK" real-et --after real,runtime --limit 420 -- bash -c "$(in_env python3 scripts/gpu_runtime_check.py \
+fi
+# 6 compile jobs: the real-size lowering holds most of the host's memory.
+"$J" start "$WORK" runtime --nice --limit 900 -- bash scripts/build_runtime.sh "$ET_SRC" "$WORK/runtime" --jobs 6
+"$J" start "$WORK" tiny --nice --limit 900 -- env ZOO_SITE="$WORK/check-site" ZOO_RUNS="$RUNS" \
+  bash scripts/gpu_check.sh "$BUNDLE" "${TINY[@]}"
+runs=(); for r in "${TINY[@]}"; do runs+=("$RUNS/$r"); done
+"$J" start "$WORK" tiny-et --after runtime,tiny --nice --limit 600 -- bash -c "$(in_env python3 scripts/gpu_runtime_check.py \
+  "${runs[*]}" --runner "$RUNNER" --steps 3 --out "$WORK/runtime-check")"
+if [ "$REAL" = 1 ]; then
+  "$J" start "$WORK" real-et --after real,runtime --limit 600 -- bash -c "$(in_env python3 scripts/gpu_runtime_check.py \
     "$WORK/real/run" --no-verify --steps 0 --latency action_step --runner "$RUNNER" --out "$WORK/real-et")"
 fi
 "$J" table "$WORK"
