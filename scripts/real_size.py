@@ -253,7 +253,8 @@ def verify_stage(args, unit, recipe, run_folder: RunFolder, report: RunReport, d
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
         summary["verification"] = {"seconds": round(verified.seconds, 3), "rows": len(verified.rows),
-                                   "ok": verified.ok, "executorch_runtime": verified.executorch_runtime}
+                                   "ok": verified.ok,
+                                   "runtimes": {name: outcome.get("status") for name, outcome in verified.runtimes.items()}}
         for m in unit.methods:
             summary["per_method"][m]["verify"] = worst_agreement(verified, m)
 
@@ -342,7 +343,8 @@ def summary_text(s: Dict[str, Any]) -> str:
                      f"{_fmt((z['parameter_bytes'] or 0) / 2**20, '.1f')} MiB")
     if s.get("verification"):
         lines.append(f"verification: {s['verification']['rows']} outputs, ok={s['verification']['ok']}, "
-                     f"{s['verification']['seconds']:.1f} s; {s['verification']['executorch_runtime']}")
+                     f"{s['verification']['seconds']:.1f} s; runtimes: "
+                     + ", ".join(f"{name} {status}" for name, status in s['verification']['runtimes'].items()))
     return "\n".join(lines) + "\n"
 
 
