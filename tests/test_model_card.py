@@ -147,7 +147,14 @@ def test_card_states_the_weights_on_each_runtime_from_the_audit():
            "9.00 GiB." in card
     assert "- ExecuTorch 1.2: each method's container copies its own weights blob" in card
     assert "ExecuTorch 1.3:" not in card
+    assert "Measured:" not in card  # nothing ran on ExecuTorch's runtime: no measured line
     assert "The weights on each runtime" not in render_card(manifest(), {}, {}, "org/x")
+
+    # What verification measured on ExecuTorch's own runtime (the H200 run's 19334 MiB for both methods).
+    ran = manifest(audit=audit)
+    ran["verification"]["runtimes"] = {"executorch": {"status": "ran", "release": "1.2", "gpu_loaded_mib": 19334.2}}
+    assert ("- Measured: ExecuTorch 1.2 took 19334 MiB of GPU memory after loading every method (zoo_runner, "
+            "`cudaMemGetInfo` before and after).") in render_card(ran, {}, {}, "org/x")
 
 
 def test_card_says_when_no_runtime_loads_the_artifact():

@@ -202,10 +202,10 @@ def _audit_section(manifest: Mapping[str, Any]) -> List[str]:
         out += [" ".join(f"ExecuTorch {r['release']} was also tested {r['tested']} (its own C++ runtime with the CUDA "
                          "backend, built from source, running this `.pte` + `.ptd`)." for r in tested)
                 + " The other releases are inferred from the symbols.", ""]
-    return out + _weights_section(manifest.get("audit"))
+    return out + _weights_section(manifest.get("audit"), manifest.get("verification"))
 
 
-def _weights_section(audit: Any) -> List[str]:
+def _weights_section(audit: Any, verification: Any = None) -> List[str]:
     """What the audit found about the weights: the .ptd against one copy, and per release what loading every
     method costs on the GPU (zoo.audit's ``weights`` and per-release ``caveats``; read in each runtime's source,
     as the audit says)."""
@@ -230,6 +230,12 @@ def _weights_section(audit: Any) -> List[str]:
                          f"{_gib(weights.get('gpu_bytes_each_method_own_copy'))} of weights on the GPU; one copy "
                          f"is {_gib(one)}.")
     out += [f"- ExecuTorch {release}: {text}" for release, text in caveats]
+    # Measured, where verification ran the artifact on ExecuTorch's own runtime: what loading every method took.
+    runtimes = verification.get("runtimes") if isinstance(verification, Mapping) else None
+    et = runtimes.get("executorch") if isinstance(runtimes, Mapping) else None
+    if isinstance(et, Mapping) and isinstance(et.get("gpu_loaded_mib"), (int, float)):
+        out.append(f"- Measured: ExecuTorch {et.get('release') or ''} took {et['gpu_loaded_mib']:.0f} MiB of GPU memory "
+                   "after loading every method (zoo_runner, `cudaMemGetInfo` before and after).".replace("  ", " "))
     return out + [""]
 
 
