@@ -17,6 +17,7 @@ from torch import nn
 from zoo import et_runtime
 from zoo.errors import RecipeError, RuntimeCallFailed, RuntimeNotBuilt
 from zoo.verify_backends import executorch_caller, select_runtimes
+from pool_modules import PoolWrite  # noqa: E402
 
 
 class Gather(nn.Module):
@@ -25,18 +26,6 @@ class Gather(nn.Module):
     def forward(self, x, idx, mask):
         picked = x[idx] * mask.unsqueeze(-1).to(x.dtype)
         return picked.sum(0) + 0.5, idx.flip(0)
-
-
-class PoolWrite(nn.Module):
-    """The io KV-pool protocol in miniature: write rows at slots, return the new pool and a readout."""
-
-    def __init__(self, scale: float):
-        super().__init__()
-        self.scale = scale
-
-    def forward(self, values, slots, pool):
-        new = pool.index_copy(0, slots, values * self.scale)
-        return new.sum(1), new
 
 
 @pytest.fixture(scope="module")

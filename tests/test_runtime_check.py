@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from zoo import runtime_check
+from pool_modules import PoolWrite  # noqa: E402
 
 @pytest.fixture(scope="module")
 def check():
@@ -63,18 +64,6 @@ def test_the_sequence_and_latency_decide_too(check):
 
 
 # --- the LingBot-VA KV pool sequence, on the fake runner ---------------------------------------------------------------
-
-
-class PoolWrite(torch.nn.Module):
-    """The io KV-pool protocol in miniature: write rows at slots, return a readout and the new pool."""
-
-    def __init__(self, scale: float):
-        super().__init__()
-        self.scale = scale
-
-    def forward(self, values, slots, pool):
-        new = pool.index_copy(0, slots, values * self.scale)
-        return new.sum(1), new
 
 
 SCALES = {"video_step": 1.0, "action_step": -2.0}

@@ -23,6 +23,7 @@ from torch import nn
 from zoo import et_runtime
 from zoo.errors import RuntimeCallFailed
 from zoo.tensor_file import read_tensor, write_tensor
+from pool_modules import PoolWrite  # noqa: E402
 
 RUNNER = os.environ.get(et_runtime.RUNNER_ENV)
 pytestmark = pytest.mark.skipif(not RUNNER or not Path(RUNNER).is_file(),
@@ -38,16 +39,6 @@ class Gather(nn.Module):
 
     def forward(self, x, idx, mask):
         return self.lin(x[idx]) * mask.unsqueeze(-1).to(x.dtype), idx * 2
-
-
-class PoolWrite(nn.Module):
-    def __init__(self, scale: float):
-        super().__init__()
-        self.scale = scale
-
-    def forward(self, values, slots, pool):
-        new = pool.index_copy(0, slots, values * self.scale)
-        return new.sum(1), new
 
 
 MODULES = {"gather": Gather().eval(), "video_step": PoolWrite(1.0), "action_step": PoolWrite(-2.0)}
