@@ -61,9 +61,9 @@ def verify_both(run: RunFolder, recipe, runner: Path) -> Dict[str, Any]:
 
 
 def verification_from_report(run: RunFolder) -> Dict[str, Any]:
-    report = json.loads((run.path / "report.json").read_text())
+    report = json.loads(run.report_json.read_text())
     if "verification" not in report:
-        raise ZooError(f"{run.path}/report.json has no verification (the run failed or was not verified)",
+        raise ZooError(f"{run.report_json} has no verification (the run failed or was not verified)",
                        "run it again without --from-report, or export it again with --runtime both")
     return report["verification"]
 
