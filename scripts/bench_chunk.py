@@ -26,7 +26,7 @@ LeRobot's Fast-WAM accepts in place of a task) and UMT5 is out of the timed work
 runner with its prompt file.
 
 Weights: seeded random, no checkpoint download. The policy is built from the recipe's configuration with the
-construction ``bench_real_size.random_init_instead_of_weights`` provides (``seeded_policy_weights`` below is the
+construction ``bench_real_size`` uses (``fast_init.seeded_weights``; ``seeded_policy_weights`` below is the
 one place to switch to another initialiser); the export unit and LeRobot's policy are built the same way from the
 same seed. The repos the policies load by Hub id are stand-ins in a private cache: the real-size Wan2.2 VAE
 (0.7 B parameters, random) and a one-layer UMT5 and tokenizer at the policy's text width.
@@ -57,10 +57,12 @@ for path in (ROOT, ROOT / "scripts"):
 
 import torch  # noqa: E402
 
-from bench_real_size import placeholder_checkpoint, random_init_instead_of_weights  # noqa: E402
+from bench_real_size import (  # noqa: E402
+    fast_wam_config, placeholder_checkpoint, write_seeded_processors)
 from zoo import bench, gpu_steps, pipeline, policies  # noqa: E402
 from zoo.hub_cache import hub_environment, put_in_cache  # noqa: E402
 from zoo.policy_check import checkpoint_in_reach  # noqa: E402
+from zoo.policies import fast_init  # noqa: E402
 from zoo.policies.tiny_wan import real_size_wan22_vae  # noqa: E402
 from zoo.recipes import load_recipe  # noqa: E402
 from zoo.report import RunReport, format_table, markdown_table  # noqa: E402
@@ -86,10 +88,11 @@ def say(message: str) -> None:
 
 
 @contextlib.contextmanager
-def seeded_policy_weights(policy_cls, seed: int) -> Iterator[None]:
-    """The one place a real-size policy gets its weights: LeRobot's constructors' own random initialisation from
-    ``seed``, no file read (bench_real_size's way; swap in another initialiser here)."""
-    with torch.random.fork_rng(devices=[]), random_init_instead_of_weights(policy_cls):
+def seeded_policy_weights(seed: int) -> Iterator[None]:
+    """The one place a real-size policy gets its weights: the families' large modules built on meta and filled
+    with values seeded by ``seed`` (``fast_init.seeded_weights``, bench_real_size's way), the rest by LeRobot's
+    constructors from the same torch seed; no file read."""
+    with torch.random.fork_rng(devices=[]), fast_init.seeded_weights(seed):
         torch.manual_seed(seed)
         yield
 
@@ -121,45 +124,12 @@ def real_config(family: str, recipe):
     fam = policies.load_family(family)
     if family == "lingbot_va":
         return fam._fabricated_config(recipe, fam._validate_recipe(recipe))
-    from lerobot.policies.fastwam.configuration_fastwam import FastWAMConfig
-
-    fields = dict(recipe.unit.options.fabricate_config)
-    for key in ("video_dit_config", "action_dit_config"):
-        if key in fields:
-            fields[key] = dict(fields[key])
-    fields.update(base_model_id=None, torch_dtype=recipe.unit.dtype, device="cpu")
-    return FastWAMConfig(**fields)
+    return fast_wam_config(recipe)
 
 
 def write_processors(family: str, config, folder: Path, seed: int) -> None:
-    """The policy's processor files with seeded statistics, as a checkpoint carries them."""
-    g = torch.Generator().manual_seed(seed + 1)
-    if family == "lingbot_va":
-        from lerobot.policies.lingbot_va import make_lingbot_va_pre_post_processors as make
-
-        n = len(config.used_action_channel_ids)
-        q01 = -1.0 - torch.rand(n, generator=g)
-        stats = {"action": {"q01": q01, "q99": q01 + 0.5 + 2.0 * torch.rand(n, generator=g)}}
-    else:
-        from lerobot.policies.fastwam.processor_fastwam import make_fastwam_pre_post_processors as make
-
-        stats = {"action": {"mean": 0.1 * torch.randn(config.action_dim, generator=g),
-                            "std": 0.5 + torch.rand(config.action_dim, generator=g)},
-                 "observation.state": {"mean": 0.1 * torch.randn(config.proprio_dim, generator=g),
-                                       "std": 0.5 + torch.rand(config.proprio_dim, generator=g)}}
-    pre, post = make(config, dataset_stats=stats)
-    pre.save_pretrained(folder)
-    post.save_pretrained(folder)
-
-
-def policy_class(family: str):
-    if family == "lingbot_va":
-        from lerobot.policies.lingbot_va import LingBotVAPolicy
-
-        return LingBotVAPolicy
-    from lerobot.policies.fastwam.modeling_fastwam import FastWAMPolicy
-
-    return FastWAMPolicy
+    """The policy's processor files with seeded statistics (seed + 1: the weights take the seed itself)."""
+    write_seeded_processors(family, config, folder, seed + 1)
 
 
 @contextlib.contextmanager
@@ -179,9 +149,8 @@ def policy_source(family: str, recipe, work: Path, tiny: bool) -> Iterator[Tuple
     if not cache.is_dir():
         say(f"{family}: writing the Hub stand-ins (real-size Wan2.2 VAE) into {cache}")
         standin_repos(family, config, cache, recipe.source.seed)
-    cls = policy_class(family)
     with hub_environment(cache, offline=True):
-        yield checkpoint, lambda: seeded_policy_weights(cls, recipe.source.seed)
+        yield checkpoint, lambda: seeded_policy_weights(recipe.source.seed)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -127,29 +127,48 @@ def build_lingbot_va(recipe, work: Path) -> ExportUnit:
         return lingbot_va.build_unit(folder, recipe)
 
 
-def build_fast_wam(recipe, work: Path) -> ExportUnit:
-    # Imported here: they need lerobot (the policies extra), which the llama unit and --help do not.
+def fast_wam_config(recipe):
+    """The FastWAMConfig of the recipe's fabricate_config (empty: FastWAMConfig's real defaults), on the CPU in
+    the unit's dtype, with no base model to download."""
     from lerobot.policies.fastwam.configuration_fastwam import FastWAMConfig
-    from lerobot.policies.fastwam.processor_fastwam import make_fastwam_pre_post_processors
 
-    from zoo.policies import fast_init, fast_wam
-
-    fields = dict(recipe.unit.options.fabricate_config)  # empty: FastWAMConfig's real defaults
+    fields = dict(recipe.unit.options.fabricate_config)
     for key in ("video_dit_config", "action_dit_config"):
         if key in fields:
             fields[key] = dict(fields[key])
     # base_model_id=None: otherwise default-sized dims point pretrained_path at lerobot/fastwam_base (12 GB).
     fields.update(base_model_id=None, torch_dtype=recipe.unit.dtype, device="cpu")
-    config = FastWAMConfig(**fields)
-    folder = placeholder_checkpoint(config, work / "checkpoint")
-    g = torch.Generator().manual_seed(recipe.source.seed)
-    stats = {"action": {"mean": 0.1 * torch.randn(config.action_dim, generator=g),
-                        "std": 0.5 + torch.rand(config.action_dim, generator=g)},
-             "observation.state": {"mean": 0.1 * torch.randn(config.proprio_dim, generator=g),
-                                   "std": 0.5 + torch.rand(config.proprio_dim, generator=g)}}
-    pre, post = make_fastwam_pre_post_processors(config, dataset_stats=stats)
+    return FastWAMConfig(**fields)
+
+
+def write_seeded_processors(family: str, config, folder: Path, seed: int) -> None:
+    """The policy's processor files with seeded statistics, as a checkpoint carries them."""
+    g = torch.Generator().manual_seed(seed)
+    if family == "lingbot_va":
+        from lerobot.policies.lingbot_va import make_lingbot_va_pre_post_processors as make
+
+        n = len(config.used_action_channel_ids)
+        q01 = -1.0 - torch.rand(n, generator=g)
+        stats = {"action": {"q01": q01, "q99": q01 + 0.5 + 2.0 * torch.rand(n, generator=g)}}
+    else:
+        from lerobot.policies.fastwam.processor_fastwam import make_fastwam_pre_post_processors as make
+
+        stats = {"action": {"mean": 0.1 * torch.randn(config.action_dim, generator=g),
+                            "std": 0.5 + torch.rand(config.action_dim, generator=g)},
+                 "observation.state": {"mean": 0.1 * torch.randn(config.proprio_dim, generator=g),
+                                       "std": 0.5 + torch.rand(config.proprio_dim, generator=g)}}
+    pre, post = make(config, dataset_stats=stats)
     pre.save_pretrained(folder)
     post.save_pretrained(folder)
+
+
+def build_fast_wam(recipe, work: Path) -> ExportUnit:
+    # Imported here: they need lerobot (the policies extra), which the llama unit and --help do not.
+    from zoo.policies import fast_init, fast_wam
+
+    config = fast_wam_config(recipe)
+    folder = placeholder_checkpoint(config, work / "checkpoint")
+    write_seeded_processors("fast_wam", config, folder, recipe.source.seed)
     # The policy constructor loads the Wan2.2 VAE and the UMT5 tokenizer by Hub id (the unit uses neither):
     # the family's tiny fabrication writes stand-ins under those ids, served here from a private cache.
     tiny_recipe = load_recipe(UNITS["fast_wam"].tiny_recipe)
