@@ -36,4 +36,4 @@ for recipe in "${RECIPES[@]}"; do
 done
 args=()
 for recipe in "${RECIPES[@]}"; do args+=("$RUNS/$recipe"); done
-"$PY" -m zoo doctor --runs "${args[@]}"
+"$PY" -m zoo doctor --require-verified "${args[@]}"

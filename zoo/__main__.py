@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shutil
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .cli import guarded, report_error
-from .errors import ZooError
+from .errors import EXIT_ERROR, EXIT_OK, ZooError, exit_status_help
 from .recipes import load_recipe, recipe_names
 from .report import format_table
 
@@ -29,10 +30,19 @@ DELEGATES: Dict[str, Tuple[str, str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m zoo", description="zoo: export robot policies to verified "
-                                     "ExecuTorch CUDA artifacts. `python -m zoo COMMAND --help` for a command's options.")
+    parser = argparse.ArgumentParser(
+        prog="python -m zoo", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="zoo: export robot policies to verified ExecuTorch CUDA artifacts. "
+                    "`python -m zoo COMMAND --help` for a command's options and exit codes.",
+        epilog=exit_status_help([EXIT_OK, EXIT_ERROR], {
+            EXIT_OK: "list: recipes printed (each command documents its own codes in its --help)",
+            EXIT_ERROR: "no command, an unknown one, or no recipe matches the pattern"}))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    lister = sub.add_parser("list", help="every recipe with its Hub id and what it exports")
+    lister = sub.add_parser("list", help="every recipe with its Hub id and what it exports",
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog=exit_status_help([EXIT_OK, EXIT_ERROR], {
+                                EXIT_OK: "the recipes are listed",
+                                EXIT_ERROR: "no recipe matches the pattern"}))
     lister.add_argument("pattern", nargs="?", default=None, help="fnmatch filter on names, e.g. 'lingbot*'")
     for name, (_, _, help_text) in DELEGATES.items():
         # The delegate parses its own arguments (and answers its own --help).
@@ -69,7 +79,10 @@ def list_recipes(pattern: Optional[str] = None, out=None) -> int:
             rows.append([s["name"], s["family"], s["hub"], s["methods"], s["dtype"], s["notes"]])
         except ZooError as exc:  # one broken recipe file must not hide the others
             rows.append([name, "?", "?", "?", "?", f"BROKEN: {exc.message}"])
-    print(format_table(rows), file=out)
+    # The notes wrap onto further lines within the terminal's width (at least 30 columns), never cut.
+    used = sum(max(len(r[i]) for r in rows) + 2 for i in range(len(rows[0]) - 1))
+    width = max(30, shutil.get_terminal_size((120, 24)).columns - used)
+    print(format_table(rows, wrap={len(rows[0]) - 1: width}), file=out)
     return 0
 
 

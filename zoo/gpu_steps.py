@@ -20,7 +20,7 @@ from torch.export import ExportedProgram
 
 from . import audit, lowering, preflight
 from .artifact import PTD_NAME, PTE_NAME
-from .errors import LoweringError, NoGpuError, VerificationFailed
+from .errors import LoweringError, NoGpuError, VerificationFailed, ZooError, first_line
 from .manifest import write_manifest
 from .report import RunReport, timed_stage
 from .run_folder import RunFolder
@@ -35,7 +35,12 @@ def run_gpu_steps(run: RunFolder, recipe, report: RunReport, *, lower: bool = Tr
     there), audit the artifact and verify it (unless ``verify`` is False). A verified run gets its manifest.
     Failures are recorded as their stage's and raised; recording the run as failed is the caller's."""
     if lower:
-        programs = saved_programs(run, recipe.unit.methods)
+        try:
+            programs = saved_programs(run, recipe.unit.methods)
+        except ZooError as exc:  # a missing or damaged program: the preflight, which reads them first, failed
+            report.stage("preflight", "failed", None, first_line(exc, limit=160))
+            report.record("failed_stage", "preflight")
+            raise
         preflight_step(programs, recipe, report)
         try:
             lower_step(programs, run, recipe, report)
@@ -47,6 +52,8 @@ def run_gpu_steps(run: RunFolder, recipe, report: RunReport, *, lower: bool = Tr
     audit_step(run, recipe, report)
     if verify:
         verify_step(run, recipe, report, runner_factory=runner_factory)
+    else:  # recorded, so that an unverified artifact never counts as one that passed verification
+        report.stage("verify", "skipped", None, "not asked for (--no-verify)")
     report.record("status", "verified" if verify else "lowered")
     if verify:
         # Only a verified artifact gets a manifest, and publishing refuses a run without one.

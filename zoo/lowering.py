@@ -38,6 +38,7 @@ from .artifact import PTD_NAME, PTE_NAME, SO_SUFFIX, ensure_flatc, extract_metho
 from .environ import environ_restored
 from .errors import LoweringError, NoGpuError, first_line
 from .preflight import require_kernels
+from .progress import Progress
 from .report import format_table
 from .run_folder import RunFolder
 from .runtimes import compile_specs
@@ -150,6 +151,38 @@ def inductor_settings(max_mm_configs: Optional[int]) -> Iterator[Dict[str, Any]]
                "prune_choices_based_on_shared_mem": True}
 
 
+@contextlib.contextmanager
+def progress_per_method(total: int) -> Iterator[None]:
+    """A progress bar over the methods being compiled (shown past zoo.progress.BAR_DELAY, on a terminal).
+
+    ExecuTorch compiles every method inside one ``to_edge_transform_and_lower`` call, one
+    ``CudaBackend.preprocess`` per method: that classmethod is wrapped for the call (and put back after) to say
+    which method is compiling.
+    """
+    from executorch.backends.cuda.cuda_backend import CudaBackend
+
+    own = CudaBackend.__dict__.get("preprocess")  # None: inherited (AotiBackend's)
+    compile_method = CudaBackend.preprocess
+    bar = Progress("lower", total, unit="method")
+
+    def preprocess(cls, edge_program, compile_specs):
+        bar.begin(cls.method_name_from_compile_specs(compile_specs))
+        try:
+            return compile_method(edge_program, compile_specs)
+        finally:
+            bar.advance()
+
+    CudaBackend.preprocess = classmethod(preprocess)
+    try:
+        yield
+    finally:
+        if own is None:
+            del CudaBackend.preprocess
+        else:
+            CudaBackend.preprocess = own
+        bar.close()
+
+
 # --- delegate I/O order ------------------------------------------------------------------------------------
 
 
@@ -228,7 +261,7 @@ def lower_to_pte(programs: Dict[str, ExportedProgram], run: Union[RunFolder, Pat
     # Lowering mutates its input (a second lowering of the same program fails): work on copies.
     copies = {name: copy.deepcopy(ep) for name, ep in programs.items()}
     partitioners = {name: [CudaPartitioner(compile_specs(name, lowering.triton_kernel_mode))] for name in copies}
-    with inductor_settings(lowering.max_mm_configs) as options:
+    with inductor_settings(lowering.max_mm_configs) as options, progress_per_method(len(copies)):
         compile_start = time.perf_counter()
         try:
             edge = to_edge_transform_and_lower(copies, partitioner=partitioners,

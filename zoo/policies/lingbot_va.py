@@ -371,6 +371,11 @@ class LeRobotSteps:
         return self.policy.transformer.blocks[layer].attn1.attn_caches[self.cache_name]
 
 
+def check_recipe(recipe: Recipe) -> None:
+    """What the pipeline asks before fabricating or downloading anything: can this recipe be built?"""
+    _validate_recipe(recipe)
+
+
 def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
     checkpoint_dir = Path(checkpoint_dir)
     policy = load_policy(checkpoint_dir, recipe)
