@@ -311,3 +311,14 @@ def test_atomic_folder_replaces_whole_or_not_at_all(tmp_path):
     with atomic.atomic_folder(final) as tmp:
         (tmp / "README.md").write_text("new card")
     assert (final / "README.md").read_text() == "new card" and sorted(p.name for p in tmp_path.iterdir()) == ["publish"]
+
+
+def test_a_run_whose_report_is_damaged_is_still_protected(tmp_path):
+    run = _earlier(tmp_path, "done", CPU_DONE)
+    run.report_json.write_text('{"status": "done", "stag')  # cut off mid-write by something else
+    with pytest.raises(ZooError, match="report.json is damaged"):
+        run.read_report()
+    job = Attempt.begin(run.path)
+    placement = job.decide(_report(job.staging.path, "failed", [("pull", "failed")]), failed=True)
+    assert not placement.placed and placement.earlier == "unreadable report"
+    job.abandon()

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import traceback
+from pathlib import Path
 from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 from .errors import (  # noqa: F401  (the exit codes are re-exported for the command lines)
@@ -79,6 +80,29 @@ def _print_where(exc: BaseException) -> None:
     nxt = (report.get("next") or {}) if report is not None else {}
     if nxt.get("command"):
         print(f"next: {nxt['command']}" + (f"  ({nxt['why']})" if nxt.get("why") else ""), file=sys.stderr)
+
+
+def print_summary(report, out=None, headline: bool = True) -> None:
+    """The stage table; unless ``headline`` is False (a failure, which ``guarded`` reports), where the attempt
+    is (the run folder, or attempts/ beside it) and the status, what was skipped and why, the next command."""
+    out = out or sys.stdout
+    print("", file=out)
+    print(report.summary_table(), file=out)
+    print("", file=out)
+    if not headline:  # a failure: guarded() says where the attempt went, after the error
+        out.flush()
+        return
+    placement = report.get("placement") or {}
+    if placement.get("placed", True):
+        print(f"run folder: {report.run_dir}  ({report.get('status', '?')})", file=out)
+    else:
+        run = Path(placement["folder"]).parent.parent
+        print(f"kept in {placement['folder']}  ({report.get('status', '?')}); the earlier run in {run} is "
+              f"unchanged ({placement.get('earlier')})", file=out)
+    for line in plain(report.headline()):
+        if line:
+            print(line, file=out)
+    out.flush()
 
 
 def plain(lines: List[str]) -> List[str]:

@@ -18,7 +18,6 @@ from .pipeline import run_pipeline
 from .progress import setup_logging
 from .publishing import publish_run
 from .recipes import load_recipe
-from .report import RunReport
 
 DEFAULT_RUNS = Path("runs")
 
@@ -76,20 +75,7 @@ def _export(args: argparse.Namespace) -> int:
     return cli.EXIT_OK
 
 
-def print_summary(report: RunReport, out=None, headline: bool = True) -> None:
-    """The stage table, where the run is, and (``headline``) its status, what was skipped and why, and the next
-    command."""
-    out = out or sys.stdout
-    status = report.get("status", "?")
-    print("", file=out)
-    print(report.summary_table(), file=out)
-    print("", file=out)
-    print(f"run folder: {report.run_dir}  ({status})", file=out)
-    if headline:
-        for line in cli.plain(report.headline()):
-            if line:
-                print(line, file=out)
-    out.flush()
+print_summary = cli.print_summary
 
 
 if __name__ == "__main__":

@@ -49,13 +49,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except BaseException as exc:
             failed = getattr(exc, "zoo_report", None)
             if failed is not None:  # the stage table of the attempt, then the error (cli.guarded)
-                print(failed.summary_table())
+                cli.print_summary(failed, headline=False)
             raise
-        print(report.summary_table())
-        print()
-        for line in cli.plain(report.headline()):
-            if line:
-                print(line)
+        cli.print_summary(report)
         placement = report.get("placement") or {}
         if not placement.get("placed", True):
             return cli.EXIT_KEPT_ASIDE

@@ -126,12 +126,12 @@ def lower_run(run_dir: Union[RunFolder, Path], overrides: Sequence[str] = (), *,
         raise LoweringError(f"{folder.path} is not a zoo run folder (no {RECIPE_YAML})",
                             "pass the folder `python -m zoo.export RECIPE` wrote")
     recipe = folder.load_recipe(overrides)  # a bad override is refused before anything is written
+    report = folder.read_report()  # the report this attempt continues (a damaged one is refused here)
     attempt = Attempt.begin(folder, force=force, seed=True, rebuilt=ARTIFACT_OUTPUTS if lower else (),
                             keep_on_failure=None)
     run, staging = attempt.run, attempt.staging
     options = [*overrides] + ([] if verify else ["--no-verify"]) + ([] if lower else ["--verify-only"])
     command = command or zoo_command("zoo.lower", [str(run.path), *options])
-    report = run.read_report()
     report.run_dir = staging.path
     if report.get("recipe") is None:
         report.record("recipe", recipe.to_dict())

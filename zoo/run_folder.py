@@ -296,7 +296,15 @@ class RunFolder:
         """The report the folder holds (an empty one when it holds none), to read or to continue."""
         if not self.report_json.exists():
             return RunReport(self.path)
-        return RunReport.from_data(self.path, json.loads(self.report_json.read_text()))
+        try:
+            data = json.loads(self.report_json.read_text())
+            if not isinstance(data, dict) or not isinstance(data.get("stages", []), list):
+                raise ValueError("not a zoo run report")
+        except ValueError as exc:
+            raise ZooError(f"{self.report_json} is damaged: {exc}",
+                           "restore it, or export the run again (`python -m zoo.export RECIPE`)") from None
+        data.setdefault("stages", [])
+        return RunReport.from_data(self.path, data)
 
     def write_report(self, report: RunReport) -> None:
         atomic.write_json(self.report_json, report.data)
@@ -460,7 +468,12 @@ class Attempt:
         ``rebuilt`` (and what every attempt writes anew: report, manifest, publish/, attempts/, logs).
         ``keep_on_failure``: what a failed attempt keeps when it is put in place (None: all it has)."""
         run = RunFolder(run_dir).prepare(existing=seed)
-        earlier = run.read_report().data if run.is_run() else None
+        earlier = None
+        if run.is_run():
+            try:
+                earlier = run.read_report().data
+            except ZooError:  # a run whose report cannot be read is still protected: any failure goes aside
+                earlier = {"status": "unreadable report", "stages": []}
         staging = run.new_staging()
         if seed:
             try:
