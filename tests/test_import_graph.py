@@ -30,10 +30,10 @@ ALLOWED_IN_FUNCTIONS: Dict[Tuple[str, str], str] = {
 LAYERS: Dict[str, int] = {
     **dict.fromkeys(["zoo", "zoo.errors", "zoo.atomic", "zoo.report", "zoo.progress", "zoo.environ",
                      "zoo.numerics"], 0),
-    **dict.fromkeys(["zoo.run_folder", "zoo.artifact", "zoo.runtimes"], 1),
+    **dict.fromkeys(["zoo.run_folder", "zoo.artifact", "zoo.assemble", "zoo.runtimes"], 1),
     **dict.fromkeys(["zoo.hub", "zoo.hub_cache", "zoo.tiny_hub", "zoo.exporting", "zoo.cpu_check", "zoo.preflight",
-                     "zoo.lowering", "zoo.audit", "zoo.verify", "zoo.aoti_runner", "zoo.manifest",
-                     "zoo.model_card", "zoo.publishing", "zoo.gpu_steps"], 2),
+                     "zoo.lowering", "zoo.lowering_workers", "zoo.constant_plan", "zoo.audit", "zoo.verify",
+                     "zoo.aoti_runner", "zoo.manifest", "zoo.model_card", "zoo.publishing", "zoo.gpu_steps"], 2),
     "zoo.pipeline": 3,
     **dict.fromkeys(["zoo.export", "zoo.lower", "zoo.publish", "zoo.__main__", "zoo.cli", "zoo.doctor",
                      "zoo.bundle"], 4),

@@ -1,0 +1,188 @@
+"""zoo.constant_plan: with one constant table for every method, two methods lowered apart by ExecuTorch's AOTI
+backend get byte-identical weight blobs, and the assembled .ptd holds the shared weights once.
+
+The compile test lowers through AotiBackend.preprocess with the device set to the CPU
+(tests/fixtures/aoti_cpu_probe.py), in worker processes, and runs the shipped .so files with the blob from
+the assembled .ptd through torch's AOTI CPU runner, against eager PyTorch."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from zoo import artifact, constant_plan, lowering_workers
+from zoo.aoti_runner import promote_libtorch_global
+from zoo.errors import LoweringError
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+sys.path.insert(0, str(FIXTURES))
+from aoti_cpu_probe import PTD_NAME  # noqa: E402
+
+DIM = 64
+X = torch.randn(3, DIM, generator=torch.Generator().manual_seed(2))
+
+
+class Unit(nn.Module):
+    """``shared`` both methods read; ``head_a`` only ``a``; ``head_b`` only ``b``; ``scale`` a buffer ``a`` reads;
+    ``table`` a plain tensor attribute both read (a lifted constant, which ExecuTorch hands to Inductor under a
+    positional name); ``tiny`` a 4-element parameter (Inductor inlines it into the code); ``unused`` no method
+    reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.head_a = nn.Linear(DIM, DIM)
+        self.shared = nn.Sequential(nn.Linear(DIM, DIM), nn.GELU(), nn.Linear(DIM, DIM))
+        self.head_b = nn.Linear(DIM, DIM, bias=False)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))
+        self.table = torch.linspace(-1.0, 1.0, DIM)
+        self.tiny = nn.Parameter(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        self.unused = nn.Parameter(torch.randn(DIM))
+
+
+class A(nn.Module):
+    def __init__(self, unit):
+        super().__init__()
+        self.u = unit
+
+    def forward(self, x):
+        return self.u.shared(self.u.head_a(x)) * self.u.scale + self.u.table
+
+
+class B(nn.Module):
+    def __init__(self, unit):
+        super().__init__()
+        self.u = unit
+
+    def forward(self, x):
+        y = self.u.head_b(self.u.shared(x)) - self.u.table
+        return y + self.u.tiny.repeat(DIM // 4)
+
+
+def modules():
+    unit = Unit()
+    return {"a": A(unit), "b": B(unit)}
+
+
+def programs():
+    return {m: torch.export.export(mod, (X,)) for m, mod in modules().items()}
+
+
+# --- the plan, without compiling ------------------------------------------------------------------------------
+
+
+def test_plan_is_every_constant_a_method_reads_in_first_read_order():
+    plan = constant_plan.plan_constants(programs())
+    assert plan.fqns() == ["u.head_a.weight", "u.head_a.bias", "u.shared.0.weight", "u.shared.0.bias",
+                           "u.shared.2.weight", "u.shared.2.bias", "u.scale", "u.table", "u.tiny",
+                           "u.head_b.weight"]
+    by = {c.fqn: c for c in plan.constants}
+    assert by["u.shared.0.weight"].methods == ["a", "b"] and by["u.head_b.weight"].methods == ["b"]
+    assert by["u.head_a.weight"].nbytes == DIM * DIM * 4 and by["u.scale"].kind == "buffer"
+    assert by["u.table"].kind == "constant" and by["u.table"].methods == ["a", "b"]
+    assert plan.private == {}
+    assert constant_plan.ConstantPlan.from_dict(plan.as_dict()) == plan
+
+
+class Counter(nn.Module):
+    def __init__(self, unit, step):
+        super().__init__()
+        self.u, self.step = unit, step
+
+    def forward(self, x):
+        self.u.scale.add_(self.step)
+        return self.u.shared(x) * self.u.scale
+
+
+def test_mutated_buffers_and_conflicting_values_stay_private():
+    unit, other = Unit(), Unit()
+    with torch.no_grad():
+        other.head_a.weight.mul_(2.0)
+    progs = {"a": torch.export.export(A(unit), (X,)), "count": torch.export.export(Counter(unit, 1.0), (X,)),
+             "a2": torch.export.export(A(other), (X,))}
+    plan = constant_plan.plan_constants(progs)
+    assert "u.scale" not in plan.fqns() and "mutated by count" in plan.private["u.scale"]
+    assert "u.head_a.weight" not in plan.fqns() and "different values" in plan.private["u.head_a.weight"]
+    assert "u.shared.0.weight" in plan.fqns() and "u.head_a.bias" in plan.fqns()
+
+
+def test_values_come_from_each_methods_program_and_a_missing_one_is_an_error():
+    progs = programs()
+    plan = constant_plan.plan_constants(progs)
+    values = constant_plan.plan_values(progs["b"], plan)  # b holds head_a although it never reads it
+    assert torch.equal(values["u.head_a.weight"], modules()["a"].u.head_a.weight)
+    alone = torch.export.export(nn.Linear(DIM, DIM), (X,))
+    with pytest.raises(LoweringError, match="lacks 10 constant"):
+        constant_plan.plan_values(alone, plan)
+
+
+# --- compiled: identical blobs, one copy in the .ptd -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lowered(tmp_path_factory):
+    root = tmp_path_factory.mktemp("plan")
+    progs = programs()
+    plan = constant_plan.plan_constants(progs)
+    jobs = []
+    for method, ep in progs.items():
+        path = root / f"rewritten.{method}.pt2"
+        torch.export.save(ep, path)
+        jobs.append(lowering_workers.MethodJob(method, path, {"constant_plan": plan.as_dict()}))
+    assembled, parts = lowering_workers.lower_and_assemble(
+        jobs, "aoti_cpu_probe:lower_probe", root / "work", root / "out", max_workers=2,
+        env={"PYTHONPATH": str(FIXTURES)}, say=lambda line: None)
+    files = artifact.extract_method_files(assembled.pte, root / "out" / PTD_NAME, root / "out" / "so")
+    return {"plan": plan, "assembled": assembled, "parts": parts, "files": files}
+
+
+def _padded(tensor: torch.Tensor) -> bytes:
+    """A constant as a CPU AOTI blob holds it: its storage, padded to 64 bytes (codecache.py ``_to_bytes``)."""
+    data = tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()
+    return data + b"\0" * (-len(data) % 64)
+
+
+def test_each_method_so_carries_the_plan_in_plan_order(lowered):
+    plan = lowered["plan"]
+    for method, part in lowered["parts"].items():
+        (table,) = part.record["constants"]  # one AOT compile per method
+        assert [row["fqn"] for row in table] == plan.fqns(), method
+        assert all(row["planned"] for row in table)
+    added = {row["fqn"] for row in lowered["parts"]["b"].record["constants"][0] if row["added"]}
+    assert {"u.head_a.weight", "u.head_a.bias", "u.scale"} <= added  # b's graph never reads them
+    for method, part in lowered["parts"].items():  # the lifted constant reaches Inductor under another name
+        (table,) = part.record["constants"]
+        assert [(row["name"].startswith("_tensor_constant"), row["adopted"]) for row in table
+                if row["fqn"] == "u.table"] == [(True, True)], method
+
+
+def test_weight_blobs_are_the_plan_tensors_byte_for_byte_and_identical(lowered):
+    unit = modules()["a"].u
+    state = dict(unit.named_parameters(prefix="u")) | dict(unit.named_buffers(prefix="u")) | {"u.table": unit.table}
+    expected = b"".join(_padded(state[fqn]) for fqn in lowered["plan"].fqns())
+    for method, entry in lowered["files"].items():
+        assert Path(entry["weights"]).read_bytes() == expected, method
+
+
+def test_the_ptd_holds_the_shared_weights_once(lowered):
+    summary = lowered["assembled"].data_files[PTD_NAME]
+    assert summary.segments == [["a_weights_blob", "b_weights_blob"]]
+    blob = summary.entries["a_weights_blob"]
+    assert summary.shared_bytes == blob
+    used = sum(c.nbytes for c in lowered["plan"].constants)  # the parameter bytes the two methods read
+    assert summary.file_bytes <= 1.05 * used
+
+
+def test_each_shipped_so_with_the_shared_blob_computes_what_eager_computes(lowered):
+    promote_libtorch_global()
+    eager = modules()
+    for method, entry in lowered["files"].items():
+        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(entry["so"]), 1)
+        runner.update_constant_buffer_from_blob(str(entry["weights"]))
+        assert set(runner.get_constant_names_to_original_fqns().values()) == set(lowered["plan"].fqns())
+        with torch.no_grad():
+            torch.testing.assert_close(runner.run([X])[0], eager[method](X))

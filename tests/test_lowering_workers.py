@@ -1,0 +1,134 @@
+"""zoo.lowering_workers: methods lowered in separate worker processes (side by side) and assembled give the
+outputs of the sequential program and of eager PyTorch; a worker's failure fails the lowering with its method's
+error. The injected lowering is ExecuTorch's portable flow (tests/fixtures/portable_lowering.py)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from zoo import lowering_workers as workers
+from zoo.errors import LoweringError
+from zoo.lowering_workers import MethodJob
+
+from test_assemble import CALLS, eager_calls, programs, run_calls, write
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+FUNCTION = "portable_lowering:lower_portable"
+ENV = {"PYTHONPATH": str(FIXTURES)}
+
+
+def saved_jobs(folder: Path, options_for):
+    folder.mkdir(parents=True, exist_ok=True)
+    jobs = []
+    for method, ep in programs().items():
+        path = folder / f"rewritten.{method}.pt2"
+        torch.export.save(ep, path)
+        jobs.append(MethodJob(method=method, program=path, options=options_for(method)))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def parallel(tmp_path_factory):
+    """Both methods lowered at once (each worker waits to see the other start) and assembled."""
+    root = tmp_path_factory.mktemp("workers")
+    (root / "rendezvous").mkdir()
+    lines = []
+
+    def options(method):
+        return {"init_buffers": ["count"], "external_constants": True, "rendezvous": str(root / "rendezvous"),
+                "rendezvous_with": [m for m in ("a", "b") if m != method]}
+
+    assembled, parts = workers.lower_and_assemble(saved_jobs(root / "programs", options), FUNCTION, root / "work",
+                                                  root / "out", max_workers=2, env=ENV, say=lines.append)
+    return {"root": root, "assembled": assembled, "parts": parts, "lines": lines}
+
+
+def test_methods_lower_side_by_side_in_separate_processes(parallel):
+    parts = parallel["parts"]
+    assert list(parts) == ["a", "b"]
+    assert parts["a"].record["saw"] == ["b"] and parts["b"].record["saw"] == ["a"]
+    assert parts["a"].record["pid"] != parts["b"].record["pid"]
+
+
+def test_parallel_assembly_gives_the_sequential_outputs_and_eager(parallel, tmp_path):
+    from portable_lowering import lower_program
+
+    options = {"init_buffers": ["count"], "external_constants": True}
+    sequential = write(lower_program(copy.deepcopy(programs()), options), tmp_path / "sequential", "model")
+    out = parallel["assembled"].pte.parent
+    ptd = out / "_default_external_constant.ptd"
+    assert ptd.read_bytes() == sequential.data_files[ptd.name].read_bytes()
+    got = run_calls(parallel["assembled"].pte, [ptd], CALLS)
+    want = run_calls(sequential.pte, list(sequential.data_files.values()), CALLS)
+    for g, w, e in zip(got, want, eager_calls(CALLS)):
+        torch.testing.assert_close(g, e)
+        assert torch.equal(g, w)
+
+
+def test_progress_names_each_method_and_each_worker_has_its_log(parallel):
+    lines = parallel["lines"]
+    for method in ("a", "b"):
+        assert any(line.startswith(f"lowering {method}: worker ") and "started" in line for line in lines)
+        assert any(line.startswith(f"lowering {method}: done in ") for line in lines)
+        assert parallel["parts"][method].log.is_file()
+        assert f"{method}: lowered in" in parallel["parts"][method].log.read_text()
+
+
+def test_one_worker_at_a_time_when_so_bounded(tmp_path):
+    (tmp_path / "rendezvous").mkdir()
+
+    def options(method):  # each waits briefly for the other: with one worker at a time it never comes
+        return {"rendezvous": str(tmp_path / "rendezvous"), "rendezvous_s": 3,
+                "rendezvous_with": [m for m in ("a", "b") if m != method]}
+
+    parts = workers.lower_in_workers(saved_jobs(tmp_path / "programs", options), FUNCTION, tmp_path / "work",
+                                     max_workers=1, env=ENV, say=lambda line: None)
+    assert parts["a"].record["saw"] == [] and parts["b"].record["saw"] == ["a"]
+
+
+def test_a_failing_method_fails_the_lowering_with_its_own_error(tmp_path):
+    lines = []
+
+    def options(method):
+        return {"fail": "the kernel preflight refused aten.polar"} if method == "b" else {}
+
+    with pytest.raises(LoweringError) as info:
+        workers.lower_and_assemble(saved_jobs(tmp_path / "programs", options), FUNCTION, tmp_path / "work",
+                                   tmp_path / "out", max_workers=2, env=ENV, say=lines.append)
+    assert str(info.value.message) == "method 'b': the kernel preflight refused aten.polar"
+    assert info.value.hint == "the test asked for this failure"
+    assert any(line.startswith("lowering b: FAILED") for line in lines)
+    assert not (tmp_path / "out" / "model.pte").exists()
+    assert "LoweringError" in (tmp_path / "work" / "b" / "worker.log").read_text()  # the traceback is kept
+
+
+def test_a_worker_that_dies_silently_is_reported_with_its_exit_and_log(tmp_path):
+    def options(method):
+        return {"crash": 7} if method == "a" else {}
+
+    with pytest.raises(LoweringError, match=r"the worker lowering method 'a' died \(exit status 7\)") as info:
+        workers.lower_in_workers(saved_jobs(tmp_path / "programs", options), FUNCTION, tmp_path / "work",
+                                 max_workers=1, env=ENV, say=lambda line: None)
+    assert str(tmp_path / "work" / "a" / "worker.log") in info.value.hint
+    assert not (tmp_path / "work" / "b").exists()  # the waiting method never started
+
+
+def test_a_function_that_cannot_be_imported_is_refused_before_any_worker(tmp_path):
+    with pytest.raises(LoweringError, match="cannot be imported"):
+        workers.lower_in_workers(saved_jobs(tmp_path / "programs", lambda m: {}), "portable_lowering:nope",
+                                 tmp_path / "work", env=ENV)
+    with pytest.raises(LoweringError, match="'package.module:function'"):
+        workers.lower_in_workers(saved_jobs(tmp_path / "programs", lambda m: {}), "no_colon", tmp_path / "work")
+    assert not (tmp_path / "work").exists()
+
+
+def test_max_workers_from_the_environment(monkeypatch):
+    monkeypatch.setenv(workers.ENV_MAX_WORKERS, "3")
+    assert workers.default_max_workers(2) == 2 and workers.default_max_workers(5) == 3
+    monkeypatch.setenv(workers.ENV_MAX_WORKERS, "many")
+    with pytest.raises(LoweringError, match="not a whole number"):
+        workers.default_max_workers(2)

@@ -1,0 +1,332 @@
+"""Lowering each method in a fresh worker process, a bounded number at a time, then assembling one program.
+
+Why processes: lowering a real-size method is one Python thread for six to eight minutes (Inductor's scheduler,
+codegen and autotuning; see ../shared/notes/real-size.md), and the methods of a unit are independent until the
+last step. Each method is lowered by ``zoo.lowering_workers.main`` with its job file, in its own process, so
+methods run side by side on a many-core machine and no compile state (Inductor caches, GPU memory, patched
+settings) passes from one method to the next. The parent then merges the single-method programs with ``zoo.assemble``.
+
+The lowering of one method is injected by name, ``"package.module:function"``, called in the worker as::
+
+    function(method: str, program: torch.export.ExportedProgram, options: dict) -> LoweredMethod
+
+where ``program`` is loaded from the job's ``.pt2`` file and ``options`` is the job's JSON options. The worker
+writes what it returns (``<method>.pte`` and the ``.ptd`` files) into its folder with the record as
+``result.json``. A worker's failure fails the whole lowering with that method's error (its zoo error type,
+message and hint, or the exit status and the end of its log); the other workers are stopped.
+
+Each worker's folder (``work_dir/<method>/``): ``job.json``, ``worker.log`` (its stdout and stderr),
+``<method>.pte``, ``*.ptd``, and ``result.json`` or ``error.json``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from . import atomic, errors
+from .artifact import PTE_NAME, ensure_flatc
+from .assemble import AssembledProgram, ProgramPart, assemble_program
+from .errors import LoweringError
+from .progress import say as default_say
+
+ENV_MAX_WORKERS = "ZOO_LOWERING_WORKERS"
+# The worker's command line. Not ``python -m zoo.lowering_workers``: that would run a second copy of this module
+# named __main__, whose LoweredMethod is another class than the one the lowering function returns.
+_WORKER_ENTRY = "import sys; from zoo.lowering_workers import main; sys.exit(main())"
+_LOG_TAIL_LINES = 25
+_STOP_GRACE_S = 10.0
+
+
+@dataclass
+class LoweredMethod:
+    """What the injected lowering function returns for its one method."""
+
+    program: Any  # an ExecutorchProgramManager: write_to_file(fh) and write_tensor_data_to_file(folder)
+    record: Dict[str, Any] = field(default_factory=dict)  # JSON-able facts for the parent (I/O order, ...)
+
+
+@dataclass
+class MethodJob:
+    method: str
+    program: Path  # a torch.export .pt2 file holding this method's program
+    options: Dict[str, Any] = field(default_factory=dict)  # JSON-able, handed to the lowering function
+
+
+@dataclass
+class MethodPart:
+    """What one worker left: its program files, the function's record, its time and its log."""
+
+    method: str
+    pte: Path
+    data_files: Dict[str, Path]
+    record: Dict[str, Any]
+    seconds: float
+    log: Path
+
+    def as_program_part(self) -> ProgramPart:
+        return ProgramPart(label=self.method, pte=self.pte, data_files=dict(self.data_files))
+
+
+def resolve_function(spec: str) -> Callable[..., LoweredMethod]:
+    """The function named ``"package.module:function"``; a clear error when it cannot be imported."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise LoweringError(f"lowering function {spec!r} is not of the form 'package.module:function'",
+                            "name the per-method lowering function by its module and name")
+    try:
+        function = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise LoweringError(f"lowering function {spec!r} cannot be imported: {exc}",
+                            "check the module is importable from the worker (PYTHONPATH) and the name") from exc
+    if not callable(function):
+        raise LoweringError(f"lowering function {spec!r} is not callable", "name a function")
+    return function
+
+
+def default_max_workers(jobs: int) -> int:
+    """``ZOO_LOWERING_WORKERS`` if set, else one worker per four cores, at most one per method."""
+    configured = os.environ.get(ENV_MAX_WORKERS)
+    if configured:
+        try:
+            value = int(configured)
+        except ValueError:
+            raise LoweringError(f"{ENV_MAX_WORKERS}={configured!r} is not a whole number",
+                                f"set {ENV_MAX_WORKERS} to how many methods may lower at once") from None
+        if value < 1:
+            raise LoweringError(f"{ENV_MAX_WORKERS}={value} must be at least 1", f"unset it or set it to 1 or more")
+        return min(value, max(jobs, 1))
+    return max(1, min(jobs, (os.cpu_count() or 1) // 4))
+
+
+# --- the parent --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Running:
+    job: MethodJob
+    folder: Path
+    log: Path
+    process: subprocess.Popen
+    started: float
+
+
+def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *,
+                     max_workers: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
+                     say: Callable[[str], None] = default_say, heartbeat_s: float = 60.0,
+                     poll_s: float = 0.2) -> Dict[str, MethodPart]:
+    """Lower every job's method in its own worker process, at most ``max_workers`` at a time.
+
+    Returns the parts in job order. Raises the failed method's error (after stopping the other workers) if any
+    worker fails; nothing is assembled then.
+    """
+    if not jobs:
+        raise LoweringError("no methods to lower", "the unit names its methods in unit.methods")
+    names = [job.method for job in jobs]
+    if len(set(names)) != len(names):
+        raise LoweringError(f"a method is named twice in {names}", "give each job a different method")
+    worker_env = _worker_env(env)
+    _resolve_as_worker(function, worker_env)  # refuse a bad name here, not once per worker
+    for job in jobs:
+        if not Path(job.program).is_file():
+            raise LoweringError(f"the program of method {job.method!r} is missing: {job.program}",
+                                "save each method's exported program (torch.export.save) before lowering")
+    workers = max_workers if max_workers is not None else default_max_workers(len(jobs))
+    if workers < 1:
+        raise LoweringError(f"max_workers={workers} must be at least 1", "lower at least one method at a time")
+    work_dir = Path(work_dir)
+
+    pending = list(jobs)
+    running: Dict[str, _Running] = {}
+    parts: Dict[str, MethodPart] = {}
+    last_beat = time.monotonic()
+    try:
+        while pending or running:
+            while pending and len(running) < workers:
+                job = pending.pop(0)
+                running[job.method] = _start(job, function, work_dir, worker_env)
+                say(f"lowering {job.method}: worker {running[job.method].process.pid} started "
+                    f"(log {running[job.method].log})")
+            for method, run in list(running.items()):
+                code = run.process.poll()
+                if code is None:
+                    continue
+                del running[method]
+                seconds = time.monotonic() - run.started
+                if code != 0:
+                    say(f"lowering {method}: FAILED after {seconds:.1f} s (exit {code})")
+                    raise _worker_error(run, code)
+                parts[method] = _collect(run, seconds)
+                say(f"lowering {method}: done in {seconds:.1f} s")
+            if running and time.monotonic() - last_beat >= heartbeat_s:
+                now = time.monotonic()
+                say("lowering: " + ", ".join(f"{m} running {now - r.started:.0f} s" for m, r in running.items())
+                    + (f"; {len(pending)} waiting" if pending else ""))
+                last_beat = now
+            if running:
+                time.sleep(poll_s)
+    finally:
+        for run in running.values():  # a failure, an interrupt: the workers still running are stopped
+            _stop(run.process)
+            say(f"lowering {run.job.method}: stopped")
+    return {job.method: parts[job.method] for job in jobs}
+
+
+def lower_and_assemble(jobs: Sequence[MethodJob], function: str, work_dir: Path, out_dir: Path, *,
+                       pte_name: str = PTE_NAME, **worker_options: Any
+                       ) -> Tuple[AssembledProgram, Dict[str, MethodPart]]:
+    """``lower_in_workers`` then ``zoo.assemble.assemble_program`` of the parts into ``out_dir`` (atomically)."""
+    parts = lower_in_workers(jobs, function, work_dir, **worker_options)
+    assembled = assemble_program([part.as_program_part() for part in parts.values()], out_dir, pte_name=pte_name)
+    return assembled, parts
+
+
+def _worker_env(extra: Optional[Mapping[str, str]]) -> Dict[str, str]:
+    """The parent's environment updated with ``extra``, and the folder holding this ``zoo`` first on PYTHONPATH
+    (the worker imports the same zoo as the parent)."""
+    env = {**os.environ, **(extra or {})}
+    zoo_root = str(Path(__file__).resolve().parent.parent)
+    paths = [zoo_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != zoo_root]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def _resolve_as_worker(function: str, env: Mapping[str, str]) -> None:
+    """Resolve ``function`` here with the worker's PYTHONPATH in front of ``sys.path``, as the worker will."""
+    saved = list(sys.path)
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    try:
+        resolve_function(function)
+    finally:
+        sys.path[:] = saved
+
+
+def _start(job: MethodJob, function: str, work_dir: Path, env: Dict[str, str]) -> _Running:
+    folder = work_dir / job.method
+    if folder.exists():
+        shutil.rmtree(folder)  # an earlier run's files must not be taken for this run's
+    folder.mkdir(parents=True)
+    job_path = folder / "job.json"
+    atomic.write_json(job_path, {"method": job.method, "program": str(Path(job.program).resolve()),
+                                 "function": function, "options": job.options})
+    log = folder / "worker.log"
+    with open(log, "wb") as log_fh:
+        # Its own session: the worker and everything it starts (compile subprocesses) are one process group,
+        # stopped together if another method fails.
+        process = subprocess.Popen([sys.executable, "-c", _WORKER_ENTRY, str(job_path)],
+                                   stdout=log_fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   env=env, start_new_session=True)
+    return _Running(job=job, folder=folder, log=log, process=process, started=time.monotonic())
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, _STOP_GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(process.pid, sig)  # the worker's own process group (start_new_session)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _collect(run: _Running, seconds: float) -> MethodPart:
+    result_path = run.folder / "result.json"
+    pte = run.folder / f"{run.job.method}.pte"
+    if not result_path.is_file() or not pte.is_file():
+        raise LoweringError(f"the worker lowering method {run.job.method!r} exited cleanly but left no "
+                            f"{'result.json' if not result_path.is_file() else pte.name}",
+                            f"see its log {run.log}:\n{_log_tail(run.log)}")
+    result = json.loads(result_path.read_text())
+    return MethodPart(method=run.job.method, pte=pte,
+                      data_files={p.name: p for p in sorted(run.folder.glob("*.ptd"))},
+                      record=result.get("record", {}), seconds=seconds, log=run.log)
+
+
+def _worker_error(run: _Running, code: int) -> errors.ZooError:
+    """The failed method's own error: its zoo error type, message and hint, or its exit and the log's end."""
+    method = run.job.method
+    error_path = run.folder / "error.json"
+    tail = _log_tail(run.log)
+    if error_path.is_file():
+        info = json.loads(error_path.read_text())
+        cls = getattr(errors, info.get("type", ""), None) if info.get("module") == errors.__name__ else None
+        if isinstance(cls, type) and issubclass(cls, errors.ZooError):
+            return cls(f"method {method!r}: {info['message']}", info.get("hint") or f"see the worker log {run.log}")
+        return LoweringError(f"lowering method {method!r} failed in its worker: {info.get('type')}: "
+                             f"{info.get('message')}",
+                             f"the worker's traceback is in {run.log}; its last lines:\n{tail}")
+    how = f"signal {-code}" if code < 0 else f"exit status {code}"
+    return LoweringError(f"the worker lowering method {method!r} died ({how}) without reporting an error",
+                         f"see its log {run.log} (killed for memory? a crash in native code?); its last lines:\n"
+                         f"{tail}")
+
+
+def _log_tail(log: Path) -> str:
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(lines[-_LOG_TAIL_LINES:]) or "(empty log)"
+
+
+# --- the worker --------------------------------------------------------------------------------------------
+
+
+def run_worker(job_path: Path) -> int:
+    """Lower the job's one method and write its program files and result.json, or error.json on failure."""
+    folder = Path(job_path).parent
+    job = json.loads(Path(job_path).read_text())
+    method = job["method"]
+    start = time.perf_counter()
+    try:
+        import torch
+
+        ensure_flatc()
+        function = resolve_function(job["function"])
+        program = torch.export.load(job["program"])
+        lowered = function(method, program, dict(job.get("options") or {}))
+        if not isinstance(lowered, LoweredMethod):
+            raise LoweringError(f"{job['function']} returned {type(lowered).__name__}, not a LoweredMethod",
+                                "return zoo.lowering_workers.LoweredMethod(program=..., record=...)")
+        with open(folder / f"{method}.pte", "wb") as fh:
+            lowered.program.write_to_file(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        lowered.program.write_tensor_data_to_file(str(folder))  # the .ptd files, if the program has any
+        atomic.write_json(folder / "result.json", {"method": method, "seconds": time.perf_counter() - start,
+                                                    "record": lowered.record})
+        print(f"[zoo worker] {method}: lowered in {time.perf_counter() - start:.1f} s", flush=True)
+        return 0
+    except BaseException as exc:  # every failure, KeyboardInterrupt included, is reported to the parent
+        traceback.print_exc()
+        atomic.write_json(folder / "error.json", {
+            "method": method, "type": type(exc).__name__, "module": type(exc).__module__,
+            "message": getattr(exc, "message", None) or str(exc) or type(exc).__name__,
+            "hint": getattr(exc, "hint", None), "traceback": traceback.format_exc()})
+        return 1
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -c 'import sys; from zoo.lowering_workers import main; sys.exit(main())' JOB.json "
+              "(started by zoo.lowering_workers.lower_in_workers)", file=sys.stderr)
+        return 2
+    return run_worker(Path(args[0]))
+
+
