@@ -195,6 +195,10 @@ def unit_recipe(spec: UnitSpec, tiny: bool):
     if spec.name == "fast_wam":
         # The split layout (the tiny recipe unrolls the whole chunk instead): action_step is the action unit.
         recipe.unit.methods = ["prefill", "action_step"]
+    if spec.name == "lingbot_va":
+        # The DiT steps: the recipe's streaming VAE methods would load the real VAE by Hub id, which a random-
+        # weight benchmark box does not have.
+        recipe.unit.methods = ["video_step", "action_step"]
     return recipe.validate()
 
 

@@ -167,9 +167,9 @@ def test_export_toy_recipe_prints_summary(tmp_path, capsys, toy_family):
 # The tiny recipes end to end, as the README runs them (subprocess, offline, CPU)
 
 
-def run_export(recipe: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+def run_export(recipe: str, out: Path, *extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "zoo.export", recipe, *extra, "--output-dir", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def check_finished_run(run: Path, methods) -> dict:
@@ -191,7 +191,9 @@ def test_llama_rope_tiny_end_to_end(llama_tiny_readme_run):
     proc, run = llama_tiny_readme_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"^cpu_check\s+done", proc.stdout, re.M) and f"python -m zoo.lower {run.resolve()}" in proc.stdout
-    check_finished_run(run, ["forward"])
+    data = check_finished_run(run, ["forward"])
+    # No action loop, no policy to check: said on the CPU and for the GPU.
+    assert data["policy_check"]["cpu"]["status"] == data["policy_check"]["gpu"]["status"] == "not applicable"
     # What was saved runs: the rewritten program agrees with the exported one on fresh tokens.
     exported = torch.export.load(str(run / "exported.forward.pt2"))
     rewritten = torch.export.load(str(run / "rewritten.forward.pt2"))
@@ -207,10 +209,16 @@ def test_llama_rope_tiny_end_to_end(llama_tiny_readme_run):
 def test_policy_tiny_recipes_end_to_end(tmp_path, recipe):
     pytest.importorskip("lerobot")
     run = tmp_path / recipe
-    proc = run_export(recipe, run)
+    proc = run_export(recipe, run, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    check_finished_run(run, load_recipe(recipe).unit.methods)
+    data = check_finished_run(run, load_recipe(recipe).unit.methods)
     assert list((run / "processors").iterdir())  # LeRobot's normalisation processors travel with the run
+    # The policy check: the eager runner against LeRobot's select_action, 3 whole chunks and one more action.
+    assert {s["stage"]: s["status"] for s in data["stages"]}["policy_check"] == "done"
+    check = data["policy_check"]["cpu"]
+    assert check["passed"] and check["rule"] == "float32" and len(check["rows"]) == 4
+    assert all(row["ok"] and row["rel_l2"] <= 1e-5 for row in check["rows"])
+    assert re.search(r"^policy_check\s+done", proc.stdout, re.M)
 
 
 # --------------------------------------------------------------------------------------------------------

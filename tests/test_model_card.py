@@ -181,3 +181,45 @@ def test_card_renders_hand_worked_manifest():
     assert f"| `model.pte` | 2.5 MB | `{'a' * 64}` |" in card
     assert f"| `processors/stats.safetensors` | 999 B | `{'b' * 64}` |" in card
     assert "`processors/stats.safetensors`." in card  # listed among the host's processors
+
+
+# --- the policy check and the runner --------------------------------------------------------------------------
+
+
+POLICY_CHECK = {
+    "cpu": {"passed": False, "backend": "eager", "device": "cpu", "seed": 0, "rule": "float32", "rows": [
+        {"chunk": 1, "steps": 12, "shape": [12, 1, 7], "max_abs": 2.384e-07, "rel_l2": 9.876e-08, "cosine": 1.0,
+         "bound": 1e-05, "ok": True, "why": ""},
+        {"chunk": 2, "steps": 16, "shape": [16, 1, 7], "max_abs": 0.5, "rel_l2": 0.25, "cosine": 0.9,
+         "bound": 1e-05, "ok": False, "why": "relative L2 2.500e-01 > tolerance 1.0e-05"}]},
+    "gpu": {"status": "skipped", "reason": "needs lerobot (the policies extra), which is not installed here"},
+}
+
+
+def test_card_shows_the_policy_check_and_the_three_lines_of_python():
+    card = render_card(manifest(policy_check=POLICY_CHECK), IO_SPEC, {}, "my-lab/lingbot-va-cuda")
+    assert "## Policy check" in card
+    # numbers formatted by hand: 2.384e-07, 9.876e-08, cosine 1.0 -> 1.00000000, bound 1e-05 -> 1.0e-05
+    assert "| 1 | 12 | 2.384e-07 | 9.876e-08 | 1.00000000 | 1.0e-05 | yes |" in card
+    assert "| 2 | 16 | 5.000e-01 | 2.500e-01 | 0.90000000 | 1.0e-05 | no: relative L2 2.500e-01 > tolerance 1.0e-05 |" \
+        in card
+    assert "Result: **FAILED** (1 of 2 chunks within tolerance, float32 rule, seed 0)" in card
+    assert "Skipped: needs lerobot (the policies extra), which is not installed here." in card
+    lines = card.splitlines()
+    start = lines.index("import zoo.runner")
+    assert lines[start + 1].startswith('runner = zoo.runner.load("my-lab/lingbot-va-cuda", backend="artifact")')
+    assert lines[start + 2:start + 4] == ["runner.reset()", "action = runner.select_action(batch)"]
+    assert "python -m zoo prompt" in card and "python -m zoo act" in card
+
+
+def test_card_of_a_run_without_a_policy_check_record_says_so():
+    card = render_card(manifest(), IO_SPEC, {}, "my-lab/lingbot-va-cuda")
+    assert card.count("Not recorded.") == 2
+
+
+def test_a_llama_card_has_no_policy_to_check_and_no_runner():
+    m = manifest()
+    m["recipe"]["family"] = "llama"
+    card = render_card(m, IO_SPEC, {}, "my-lab/smol")
+    assert "Not applicable: a Llama-style transformer has no action loop" in card
+    assert "zoo.runner.load" not in card

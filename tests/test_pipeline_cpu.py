@@ -269,8 +269,12 @@ def test_run_folder_of_a_tiny_recipe(test_recipe, toy_family, tmp_path, monkeypa
     assert data["status"] == "done"
     stages = {s["stage"]: s["status"] for s in data["stages"]}
     assert stages == {"fabricate": "done", "pull": "done", "build": "done", "export": "done", "rewrite": "done",
-                      "cpu_check": "done", "save": "done", "preflight": "done", "lower": "skipped",
-                      "audit": "skipped", "verify": "skipped"}
+                      "cpu_check": "done", "save": "done", "policy_check": "skipped", "preflight": "done",
+                      "lower": "skipped", "audit": "skipped", "verify": "skipped", "policy_check_gpu": "skipped"}
+    # The toy family has no action loop: the policy check says so, on the CPU and for the GPU.
+    assert data["policy_check"] == {place: {"status": "not applicable", "reason": data["policy_check"][place]["reason"]}
+                                    for place in ("cpu", "gpu")}
+    assert data["policy_check"]["cpu"]["reason"].startswith("not applicable: toy has no action loop")
     assert data["skipped"]["later"] == f"python -m zoo.lower {run.resolve()}"
     assert data["next"]["command"] == f"python -m zoo.lower {run.resolve()}"
     assert data["cpu_check"]["passed"] and data["cpu_check"]["compared"] == 8
@@ -448,7 +452,7 @@ def test_gpu_steps_continue_the_same_report(test_recipe, toy_family, tmp_path, m
     fake_gpu(monkeypatch, run_gpu_steps)
     report = pipeline.run_pipeline(test_recipe("toy-pool"), tmp_path / "run")
     assert {"recipe.yaml", "io_spec.json", "rewritten.write.pt2", "rewritten.read.pt2", "report.json"} <= set(seen["files"])
-    assert seen["stages"] == ["fabricate", "pull", "build", "export", "rewrite", "cpu_check", "save"]
+    assert seen["stages"] == ["fabricate", "pull", "build", "export", "rewrite", "cpu_check", "save", "policy_check"]
     assert report.get("status") == "verified" and report.stages[-1]["stage"] == "lower"
     assert json.loads((tmp_path / "run" / "report.json").read_text())["status"] == "verified"
 

@@ -50,7 +50,7 @@ SO_SYMBOLS = ["aoti_torch_create_tensor_from_blob_v2", "aoti_torch_delete_tensor
               "aoti_torch_dtype_float16", "aoti_torch_empty_strided", "aoti_torch_get_data_ptr"]
 GPU = {"name": "NVIDIA H200", "capability": "90", "torch": "2.11.0+cu130", "cuda": "13.0"}  # cuda_device_info()
 HOST_SETTINGS = {"denoise_steps": 10, "shift": 5.0, "guidance_scale": 1.0}
-ARTIFACT = {"model.pte", "aoti_cuda_blob.ptd", "io_spec.json", "host_settings.json",
+ARTIFACT = {"model.pte", "aoti_cuda_blob.ptd", "io_spec.json", "host_settings.json", "so/forward.io.json",
             "processors/policy_preprocessor.json", "processors/policy_preprocessor_step_0_normalizer.safetensors"}
 
 
@@ -147,6 +147,10 @@ def build_run(root: Path, exported, verification_record) -> Path:
     g = torch.Generator().manual_seed(7)  # publishing never parses the artifact: any bytes will do
     for name, size in (("model.pte", 3000), ("aoti_cuda_blob.ptd", 5000)):
         (run / name).write_bytes(torch.randint(0, 256, (size,), generator=g, dtype=torch.uint8).numpy().tobytes())
+
+    # The delegate I/O order lowering writes; published, so the policy runner can feed a downloaded artifact.
+    folder.write_io_order("forward", {"input_order": [0], "output_order": [0]})
+    (run / "so" / "forward.so").write_bytes(b"not published: the .so ships inside model.pte")
 
     program, _ = exported
     report = RunReport(run, recipe.to_dict())

@@ -36,6 +36,12 @@ KINDS = {
     "python -m zoo bundle BUNDLE --have-file scripts/have/h200-cuda-image.txt --recipe llama-rope-tiny "
     "--recipe lingbot-va-tiny --recipe fast-wam-tiny": "network: pip downloads wheels",
     "scripts/gpu_check.sh BUNDLE llama-rope-tiny lingbot-va-tiny fast-wam-tiny": "gpu",
+    # The deploy commands need a fast-wam-tiny run folder (an export with LeRobot's policy check, minutes here);
+    # tests/runner/test_deploy_cli.py and tests/runner/test_fast_wam_runner.py drive the same code on one.
+    'python -m zoo prompt runs/fast-wam-tiny "pick up the bowl"': "a fast-wam-tiny run folder",
+    'python -m zoo act runs/fast-wam-tiny --example-observation obs.safetensors --task "pick up the bowl"':
+        "a fast-wam-tiny run folder",
+    "python -m zoo act runs/fast-wam-tiny --observation obs.safetensors": "a fast-wam-tiny run folder",
 }
 
 

@@ -24,6 +24,8 @@ DELEGATES: Dict[str, Tuple[str, str, str]] = {
     "audit": ("zoo.audit", "audit_main", "which ExecuTorch CUDA runtimes can load an artifact"),
     "publish": ("zoo.publish", "main", "publish a verified run to the Hugging Face Hub"),
     "bench": ("zoo.bench", "main", "time a lowered artifact on the GPU"),
+    "prompt": ("zoo.deploy", "prompt_main", "embed a task text once for the policy runner (UMT5, eager; needs lerobot)"),
+    "act": ("zoo.deploy", "act_main", "print one action chunk for an observation file (zoo.runner)"),
     "bundle": ("zoo.bundle", "main", "wheels and checkpoints for a machine without network"),
     "doctor": ("zoo.doctor", "main", "what this machine can do; summarise run folders"),
 }

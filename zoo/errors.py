@@ -106,6 +106,17 @@ def storage_error(exc: BaseException) -> Optional[StorageError]:
                         hints.get(exc.errno or 0, "check the folder's permissions and the disk, then run again"))
 
 
+class RunnerError(ZooError):
+    """zoo.runner cannot drive this artifact with this input: a missing run-folder file, an unknown processor
+    step, an observation or option the policy's own code would treat differently than the runner can."""
+
+
+class PolicyCheckFailed(ZooError):
+    """The runner's actions differ from the LeRobot policy's own, beyond the recipe's policy_check tolerance."""
+
+    exit_code = EXIT_MISMATCH
+
+
 def first_line(error: Union[BaseException, str], limit: Optional[int] = None) -> str:
     """The first line of an error's message (a ``ZooError``'s message, without its hint), for a table cell or a
     one-line report entry; the error's type name when it says nothing. ``limit`` cuts longer lines with "..."."""

@@ -8,6 +8,8 @@ run folder, later or on another machine). None of them needs lerobot: everything
   lower      model.pte + aoti_cuda_blob.ptd, so/<method>.so + weights blob + io.json (needs a GPU)
   audit      which ExecuTorch CUDA runtime releases can load each method's .so
   verify     the .so files against eager at every seed and size (needs a GPU)
+  policy check  the artifact runner against LeRobot's own select_action over a chunk sequence (zoo.policy_check;
+             needs lerobot, skipped with the reason where it is missing)
 A step that needs a GPU the machine lacks is recorded as skipped (``NoGpuError``), and so are the GPU stages
 after it.
 """
@@ -22,6 +24,7 @@ from . import audit, lowering, preflight
 from .artifact import PTD_NAME, PTE_NAME
 from .errors import LoweringError, NoGpuError, VerificationFailed, ZooError, first_line
 from .manifest import write_manifest
+from .policy_check import policy_check_step
 from .report import RunReport, timed_stage
 from .run_folder import RunFolder
 from .verify import RunnerFactory, VerificationResult, verify_artifact
@@ -52,6 +55,8 @@ def run_gpu_steps(run: RunFolder, recipe, report: RunReport, *, lower: bool = Tr
     audit_step(run, recipe, report)
     if verify:
         verify_step(run, recipe, report, runner_factory=runner_factory)
+        # The artifact driven as the policy drives its model, against LeRobot's own select_action on the GPU.
+        policy_check_step(run, recipe, report, where="gpu")
     else:  # recorded, so that an unverified artifact never counts as one that passed verification
         report.stage("verify", "skipped", None, "not asked for (--no-verify)")
     report.record("status", "verified" if verify else "lowered")

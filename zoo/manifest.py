@@ -40,7 +40,9 @@ def sha256_file(path: Union[str, Path]) -> str:
 
 def artifact_files(run_dir: Union[RunFolder, Path]) -> List[str]:
     """Paths (relative, POSIX) of every file that is published from ``run_dir``, sorted: the artifact files
-    (``run_folder.ARTIFACT_FILES``) and, if present, all of ``processors/``.
+    (``run_folder.ARTIFACT_FILES``), each method's delegate I/O order (``so/<method>.io.json``: the policy
+    runner's artifact backend feeds a downloaded artifact's ``.so`` files with it) and, if present, all of
+    ``processors/``.
 
     Hidden names are left out: they are interrupted atomic writes (``.<name>.tmp-*``), never artifacts.
     """
@@ -49,7 +51,7 @@ def artifact_files(run_dir: Union[RunFolder, Path]) -> List[str]:
     if missing:
         raise PublishRefused(f"run folder {run.path} has no {', '.join(missing)}",
                              "lower and verify the run first; only a finished run folder can be published")
-    files = list(ARTIFACT_FILES)
+    files = list(ARTIFACT_FILES) + [path.relative_to(run.path).as_posix() for path in run.io_order_files()]
     if run.processors_dir.is_dir():
         for path in sorted(run.processors_dir.rglob("*")):
             rel = path.relative_to(run.path)
@@ -157,6 +159,7 @@ def build_manifest(run_dir: Union[RunFolder, Path], report: Union[RunReport, Map
         "rewrites": public_section(data.get("rewrites")),
         "audit": public_section(data.get("audit")),
         "verification": public_section(data.get("verification")),
+        "policy_check": public_section(data.get("policy_check")),
         "files": file_table(run.path),
     }
 

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from .report import markdown_table
 from .run_folder import SOURCE_JSON
+from .runner import runner_families
 
 BASE_TAGS = ("robotics", "lerobot", "executorch", "cuda", "aoti", "zoo")
 RUNNER = "executor_runner --model_path model.pte --data_path aoti_cuda_blob.ptd"
@@ -22,19 +23,24 @@ FAMILY_NOTES: Dict[str, Dict[str, str]] = {
         "title": "LingBot-VA",
         "computes": "one transformer step of each stream (`video_step`, `action_step`) of the LingBot-VA "
                     "Wan2.2-style DiT, attending over a fixed, zero-initialised KV pool that each call writes at "
-                    "slots the host chooses, plus a validity mask",
+                    "slots the host chooses, plus a validity mask, and the streaming Wan2.2 VAE encode of the "
+                    "observed frames (`vae_encode_first`, `vae_encode`) with its causal feature cache passed in and "
+                    "out",
         "host": "the per-chunk loop of video and action denoising steps, the sampler, classifier-free guidance, "
-                "KV-slot bookkeeping, the VAE, the UMT5 text encoder and the normalisation processors",
+                "KV-slot bookkeeping and the normalisation processors (all in `zoo.runner`, no PyTorch model "
+                "code), and the UMT5 text encoder, run once per prompt on a workstation (`python -m zoo prompt`)",
         "outputs": "Each call returns one step's transformer prediction; the host's sampler turns the steps into "
                    "an action chunk, which the unnormaliser in `processors/` maps back to robot units.",
     },
     "fast_wam": {
         "title": "Fast-WAM",
-        "computes": "one whole Fast-WAM action chunk: the video expert's prefill on the first-frame latent, then "
-                    "the action expert's denoising steps against its cached keys and values, with the loop "
-                    "unrolled; the noise is an input",
-        "host": "the VAE encoding of the first frame, the UMT5 text encoding, noise generation and the "
-                "normalisation processors",
+        "computes": "the Fast-WAM action chunk's GPU work: the Wan2.2 VAE encode of the first frame "
+                    "(`vae_encode`), the video expert's prefill on its latent, and the action expert's denoising "
+                    "steps against the cached keys and values (one `action_step` per Euler step, or the unrolled "
+                    "`action_chunk`); the noise is an input",
+        "host": "the Euler loop, noise generation and the normalisation processors (all in `zoo.runner`, no "
+                "PyTorch model code), and the UMT5 text encoder, run once per prompt on a workstation "
+                "(`python -m zoo prompt`)",
         "outputs": "The output is the normalised action chunk; the unnormaliser in `processors/` maps it back "
                    "to robot units.",
     },
@@ -209,6 +215,67 @@ def _verification_section(manifest: Mapping[str, Any]) -> List[str]:
     return out + [markdown_table(table), ""]
 
 
+# Where each policy check ran, in the order the card shows them (zoo.policy_check records {"cpu": .., "gpu": ..}).
+POLICY_CHECK_PLACES = (("cpu", "On the CPU, during export: the eager runner (the rewritten programs) against "
+                               "LeRobot's policy in eager PyTorch."),
+                       ("gpu", "On the GPU, after verification: the runner over the shipped kernels against "
+                               "LeRobot's policy in eager PyTorch on the same GPU."))
+
+
+def _policy_check_section(manifest: Mapping[str, Any]) -> List[str]:
+    """The policy check: the runner against LeRobot's own select_action, over a sequence of action chunks."""
+    family = (manifest.get("recipe") or {}).get("family", "")
+    out = ["## Policy check", ""]
+    if family not in runner_families():
+        return out + [f"Not applicable: a {FAMILY_NOTES.get(family, {}).get('title', family)} has no action loop, so "
+                      "there is no policy to drive; the verification above is the whole check.", ""]
+    record = manifest.get("policy_check") or {}
+    out += ["`zoo.runner` drove the artifact's methods the way LeRobot's policy drives its model and was compared "
+            "with LeRobot's own `select_action`, built from the same checkpoint with the same seed, noise and a "
+            "seeded synthetic sequence of observations, chunk by chunk (relative L2 of each action chunk; bf16 "
+            "artifacts by zoo's bf16 rule against LeRobot in float32).", ""]
+    for place, words in POLICY_CHECK_PLACES:
+        part = record.get(place)
+        if not part:
+            out += [f"- {words} Not recorded.", ""]
+            continue
+        if "rows" not in part:
+            out += [f"- {words} {str(part.get('status', 'skipped')).capitalize()}: {part.get('reason', '')}.", ""]
+            continue
+        rows = part.get("rows") or []
+        out += [f"- {words} Result: **{'passed' if part.get('passed') else 'FAILED'}** "
+                f"({sum(1 for r in rows if r.get('ok'))} of {len(rows)} chunks within tolerance, "
+                f"{part.get('rule', 'float32')} rule, seed {part.get('seed')}).", ""]
+        table = [["chunk", "actions", "max abs diff", "relative L2", "cosine", "bound", "ok"]]
+        for r in rows:
+            table.append([r.get("chunk", ""), r.get("steps", ""), _num(r.get("max_abs"), ".3e"),
+                          _num(r.get("rel_l2"), ".3e"), _num(r.get("cosine"), ".8f"), _num(r.get("bound"), ".1e"),
+                          "yes" if r.get("ok") else f"no: {r.get('why', '')}"])
+        out += [markdown_table(table), ""]
+    return out
+
+
+def _runner_section(manifest: Mapping[str, Any], repo_id: str) -> List[str]:
+    """The three lines of Python that replace a LeRobot policy in a control loop."""
+    family = (manifest.get("recipe") or {}).get("family", "")
+    if family not in runner_families():
+        return []
+    return ["## How to run it from Python", "",
+            "`zoo.runner` has LeRobot's policy interface over the artifact (no lerobot, transformers or diffusers "
+            "needed): `batch` is the observation dict a LeRobot environment gives, with the same keys, and the "
+            "action comes back in robot units (the processors in `processors/` are applied).", "",
+            "```python",
+            "import zoo.runner",
+            f'runner = zoo.runner.load("{repo_id}", backend="artifact")  # eager: the rewritten programs, CPU or GPU',
+            "runner.reset()",
+            "action = runner.select_action(batch)",
+            "```", "",
+            "The task's text embedding is computed once per prompt, on a workstation with lerobot: "
+            f'`python -m zoo prompt RUN_DIR "pick up the bowl" -o task.safetensors`, then '
+            '`runner.load_prompt("task.safetensors")`. From a shell: `python -m zoo act RUN_DIR --observation '
+            "obs.safetensors --prompt task.safetensors --backend artifact` prints one action chunk.", ""]
+
+
 def _gpu_words(gpu: Mapping[str, Any]) -> str:
     if not gpu or not (gpu.get("name") or gpu.get("compute_capability")):
         return "a GPU that was not recorded"
@@ -374,6 +441,8 @@ def render_card(manifest: Mapping[str, Any], io_spec: Mapping[str, Any], host_se
     out += _host_section(host_settings, processors, note)
     out += _audit_section(manifest)
     out += _verification_section(manifest)
+    out += _policy_check_section(manifest)
+    out += _runner_section(manifest, repo_id)
     out += _run_section(manifest, repo_id, io_spec)
     out += _provenance_section(manifest)
     out += _files_section(manifest)

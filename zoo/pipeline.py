@@ -1,8 +1,8 @@
 """The whole line, on one in-memory run report, every step under the one stage recorder
 (``zoo.report.timed_stage``):
 
-    recipe -> pull -> build unit -> export -> rewrite -> CPU check -> save            (CPU steps, here)
-           -> preflight -> lower -> audit -> verify -> manifest                        (GPU steps, zoo.gpu_steps)
+    recipe -> pull -> build unit -> export -> rewrite -> CPU check -> save -> policy check (CPU steps, here)
+           -> preflight -> lower -> audit -> verify -> policy check on the GPU -> manifest (GPU steps, zoo.gpu_steps)
 
 ``run_pipeline`` is ``python -m zoo.export``; ``lower_run`` is ``python -m zoo.lower RUN_DIR``, the GPU steps on a
 saved run folder, continuing its report. Each is one ``zoo.run_folder.Attempt``: written into a staging folder
@@ -33,6 +33,7 @@ from .cpu_check import cpu_check, summary_detail
 from .environ import zoo_command
 from .errors import LoweringError, NoGpuError, RewriteDeclined, StorageError, ZooError
 from .policies.base import ExportUnit
+from .policy_check import not_applicable, policy_check_step, record_skip
 from .progress import run_log, say
 from .report import FINISHED, RunReport, record_failure, timed_stage
 from .rewrites.result import source_line
@@ -76,10 +77,13 @@ def run_pipeline(recipe, run_dir: Path, overrides: Sequence[str] = (), *, force:
                 programs, reference = export_step(unit, recipe, staging, report)
                 rewritten = rewrite_step(programs, recipe, report)
                 cpu_check_step(unit, rewritten, recipe, report, reference)
-            # The GPU steps work from the saved files: free the eager unit and the in-memory programs first.
-            del programs, reference, unit, checkpoint
-            save_step(rewritten, recipe, staging, report)
-            del rewritten
+                # The later steps work from the saved files: free the eager unit and the in-memory programs first.
+                del programs, reference, unit
+                save_step(rewritten, recipe, staging, report)
+                del rewritten
+                # The runner over the saved programs against LeRobot's own policy (its Hub repos still in reach).
+                policy_check_step(staging, recipe, report, where="cpu", checkpoint=checkpoint.path)
+            del checkpoint
             gpu_half(staging, recipe, report, shown=run)
     except BaseException as exc:
         record_failure(report, exc)
@@ -108,6 +112,7 @@ def gpu_half(run: RunFolder, recipe, report: RunReport, shown: Optional[RunFolde
         # On a machine without a GPU that is the expected end of the run: the three GPU stages are skipped.
         for stage in gpu_steps.GPU_STAGES:
             report.stage(stage, "skipped", detail=NO_GPU_DETAIL)
+        record_skip(report, "gpu", not_applicable(recipe) or NO_GPU_DETAIL)
         report.record("skipped", {"stages": list(gpu_steps.GPU_STAGES), "reason": "no CUDA device",
                                   "later": zoo_command("zoo.lower", [str(shown.path)])})
 

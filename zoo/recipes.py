@@ -97,6 +97,29 @@ class Verify:
 
 
 @dataclass
+class PolicyCheckTolerance:
+    float32: float = 1e-5  # relative L2 per action chunk: float32 runner (CPU, eager) vs LeRobot float32
+    gpu_float32: float = 1e-4  # float32 artifact runner on the GPU vs LeRobot float32 eager on the GPU
+    # bf16 units (zoo's bf16 rule, per chunk, against LeRobot's float32 episode): the runner may be this many
+    # times as far from it as LeRobot's own bf16 episode is, with at least this cosine.
+    bf16_factor: float = 1.25
+    bf16_min_cosine: float = 0.99
+
+
+@dataclass
+class PolicyCheck:
+    """The policy check: the runner (zoo.runner) against LeRobot's own select_action, built from the same
+    checkpoint, over a seeded synthetic observation sequence (policy families with an action loop only)."""
+
+    cpu: bool = True  # during export: the eager runner on the CPU (real-size recipes turn it off)
+    gpu: bool = True  # after verification on a GPU: the artifact runner, against LeRobot eager on the GPU
+    chunks: int = 3  # action chunks the observation sequence covers (one more action starts a fourth)
+    seed: int = 0  # torch.manual_seed before each episode, and the seed of the synthetic observations
+    task: str = "pick up the bowl and put it on the plate"  # the task text every observation carries
+    tolerance: PolicyCheckTolerance = field(default_factory=PolicyCheckTolerance)
+
+
+@dataclass
 class Publish:
     repo_id: Optional[str] = None
     private: bool = False
@@ -120,6 +143,7 @@ class Recipe:
     rotary_pairs: str = "float64"
     lowering: Lowering = field(default_factory=Lowering)
     verify: Verify = field(default_factory=Verify)
+    policy_check: PolicyCheck = field(default_factory=PolicyCheck)
     publish: Publish = field(default_factory=Publish)
 
     def validate(self) -> "Recipe":
@@ -174,6 +198,15 @@ class Recipe:
                 fail(f"verify.tolerance.{key}={getattr(tol, key)} is not positive", "tolerances are > 0")
         if not -1.0 <= tol.bf16_min_cosine <= 1.0:
             fail(f"verify.tolerance.bf16_min_cosine={tol.bf16_min_cosine}", "a cosine lies in [-1, 1]")
+        check = self.policy_check
+        if check.chunks < 1:
+            fail(f"policy_check.chunks={check.chunks}", "give a whole number >= 1 (the issue asks for 3)")
+        for key in ("float32", "gpu_float32", "bf16_factor"):
+            if not getattr(check.tolerance, key) > 0:
+                fail(f"policy_check.tolerance.{key}={getattr(check.tolerance, key)} is not positive",
+                     "tolerances are > 0")
+        if not -1.0 <= check.tolerance.bf16_min_cosine <= 1.0:
+            fail(f"policy_check.tolerance.bf16_min_cosine={check.tolerance.bf16_min_cosine}", "a cosine lies in [-1, 1]")
         if self.lowering.max_mm_configs is not None and self.lowering.max_mm_configs < 1:
             fail(f"lowering.max_mm_configs={self.lowering.max_mm_configs}", "use null (no cap) or a count >= 1")
         return self

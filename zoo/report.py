@@ -164,6 +164,11 @@ def _num(value: Any, fmt: str = ".3e") -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _policy_check_md(value: Any) -> str:
+    """The check's own chunk table, on the CPU and on the GPU; a skip's reason is already in the stage table."""
+    return "\n\n".join(_code_table(part) for part in (value or {}).values() if _code_table(part))
+
+
 # (section, title, renderer): the order of report.md after the stage table.
 SECTIONS = (
     ("rewrites", "Rewrites", _rewrites_md),
@@ -172,6 +177,7 @@ SECTIONS = (
     ("lowering", "Lowering", _code_table),
     ("audit", "Runtime audit", _code_table),
     ("verification", "Verification", _code_table),
+    ("policy_check", "Policy check against LeRobot's select_action", _policy_check_md),
 )
 
 

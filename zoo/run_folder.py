@@ -10,6 +10,7 @@ through ``RunFolder``:
     io_spec.json           per method: inputs (InputSpec dicts), output names; dynamic dims; example sizes
     host_settings.json     what the host drives the artifact with (steps, shifts, guidance, slots)
     processors/            the policy's normalisation processors (and tokenizer files)
+    prompts/               prompt embeddings (`python -m zoo prompt`), one safetensors file per task text
     exported.<m>.pt2       the program torch.export returned (complex values and all): the eager reference
     reference_fp32.<m>.pt2 bf16 recipes: the same unit in float32, to judge bf16 against
     rewritten.<m>.pt2      after the recipe's rewrites: what gets lowered
@@ -31,8 +32,10 @@ byte. A staging folder whose process died (SIGKILL, power) is removed by the nex
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -55,6 +58,11 @@ SOURCE_JSON = "source.json"
 IO_SPEC_JSON = "io_spec.json"
 HOST_SETTINGS_JSON = "host_settings.json"
 PROCESSORS_DIR = "processors"
+# LeRobot's own processor pipeline files, as the checkpoint ships them (copied into processors/).
+PREPROCESSOR_JSON = "policy_preprocessor.json"
+POSTPROCESSOR_JSON = "policy_postprocessor.json"
+PROMPTS_DIR = "prompts"
+PROMPT_SUFFIX = ".safetensors"
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 MANIFEST_JSON = "manifest.json"
@@ -72,7 +80,8 @@ KEPT_ON_FAILURE = (REPORT_JSON, REPORT_MD, RECIPE_YAML) + tuple(f"{c}.log" for c
 ARTIFACT_OUTPUTS = (PTE_NAME, PTD_NAME, SO_DIR)
 # A run whose report says one of these holds nothing good (an earlier zoo may have left "running").
 NOT_GOOD = ("failed", "interrupted", "running")
-# What is published from a finished run (besides processors/, copied whole): what a deploy side loads.
+# What is published from a finished run (besides processors/, copied whole, and each method's so/<m>.io.json):
+# what a deploy side loads.
 ARTIFACT_FILES = (PTE_NAME, PTD_NAME, IO_SPEC_JSON, HOST_SETTINGS_JSON)
 
 
@@ -133,6 +142,31 @@ class RunFolder:
         return self.path / PROCESSORS_DIR
 
     @property
+    def preprocessor_file(self) -> Path:
+        return self.processors_dir / PREPROCESSOR_JSON
+
+    @property
+    def postprocessor_file(self) -> Path:
+        return self.processors_dir / POSTPROCESSOR_JSON
+
+    @property
+    def prompts_dir(self) -> Path:
+        return self.path / PROMPTS_DIR
+
+    def prompt_file(self, task: str) -> Path:
+        """Where ``python -m zoo prompt`` puts a task's embedding by default: a readable slug of the text and a
+        hash of it (two texts never share a file)."""
+        slug = re.sub(r"[^a-z0-9]+", "-", task.lower()).strip("-")[:48] or "empty"
+        digest = hashlib.sha256(task.encode("utf-8")).hexdigest()[:8]
+        return self.prompts_dir / f"{slug}-{digest}{PROMPT_SUFFIX}"
+
+    def prompt_files(self) -> List[Path]:
+        """Every prompt embedding file in ``prompts/``, sorted."""
+        if not self.prompts_dir.is_dir():
+            return []
+        return sorted(p for p in self.prompts_dir.glob("*" + PROMPT_SUFFIX) if not p.name.startswith("."))
+
+    @property
     def report_json(self) -> Path:
         return self.path / REPORT_JSON
 
@@ -184,6 +218,10 @@ class RunFolder:
 
     def io_order_file(self, method: str) -> Path:
         return self.so_dir / f"{method}.io.json"
+
+    def io_order_files(self) -> List[Path]:
+        """Every ``so/<method>.io.json`` present, sorted (published with the artifact: the runner needs them)."""
+        return sorted(self.so_dir.glob("*.io.json")) if self.so_dir.is_dir() else []
 
     def compiled_methods(self) -> Dict[str, Path]:
         """{method: .so} for every compiled method extracted into ``so/``."""
@@ -246,13 +284,24 @@ class RunFolder:
         return atomic.write_json(self.io_spec_file, io_spec)
 
     def read_io_spec(self) -> Dict[str, Any]:
-        return json.loads(self.io_spec_file.read_text())
+        return self._read_json(self.io_spec_file)
 
     def write_host_settings(self, settings: Dict[str, Any]) -> Path:
         return atomic.write_json(self.host_settings_file, settings)
 
     def read_host_settings(self) -> Dict[str, Any]:
-        return json.loads(self.host_settings_file.read_text())
+        return self._read_json(self.host_settings_file)
+
+    def _read_json(self, path: Path) -> Dict[str, Any]:
+        """A JSON file the export wrote; a missing or damaged one is a clear error naming the folder."""
+        if not path.is_file():
+            raise ZooError(f"{path} is missing, so {self.path} is not a complete zoo run folder",
+                           "export the recipe again (`python -m zoo.export RECIPE`), or download the whole "
+                           "published folder")
+        try:
+            return json.loads(path.read_text())
+        except ValueError as exc:
+            raise ZooError(f"{path} is not valid JSON: {exc}", "export the recipe again") from None
 
     def copy_host_files(self, files: Iterable[Union[str, Path]]) -> List[str]:
         """Copy the unit's host files (normalisation processors, tokenizer files) flat into ``processors/``."""

@@ -24,7 +24,7 @@ from zoo.errors import PullError, RecipeError, ZooError  # noqa: E402
 from zoo.hub_cache import folder_commit, hub_environment, put_in_cache  # noqa: E402
 from zoo.numerics import compare  # noqa: E402
 from zoo.policies import load_family  # noqa: E402
-from zoo.policies.lingbot_va_pool import HostSlotAllocator  # noqa: E402
+from zoo.policies.lingbot_va_pool import HostSlotAllocator, PoolStep  # noqa: E402
 from zoo.recipes import load_recipe  # noqa: E402
 
 lingbot_va = load_family("lingbot_va")
@@ -53,6 +53,13 @@ def hub(tmp_path_factory):
     return _fabricated_hub(tmp_path_factory.mktemp("lingbot_hub"))
 
 
+def build(hub, checkpoint, recipe):
+    """build_unit as the pipeline runs it: the repos the policy loads by Hub id (the VAE its streaming encode
+    methods take, UMT5, tokenizer) served from the fabricated cache, offline."""
+    with hub_environment(hub[0], offline=True):
+        return lingbot_va.build_unit(checkpoint, recipe)
+
+
 @pytest.fixture(scope="module")
 def two_head_unit(tmp_path_factory):
     cache, checkpoint, _ = _fabricated_hub(tmp_path_factory.mktemp("lingbot_hub_2h"), TWO_HEADS)
@@ -73,11 +80,13 @@ def units(hub):
 
 @pytest.fixture(scope="module")
 def exported(units):
+    """The DiT steps of both layouts, exported (the VAE methods have their own tests: test_lingbot_va_vae.py)."""
     programs = {}
     for layout, unit in units.items():
         if layout == "buffer":
             _zero_pools(unit)  # the artifact's pool starts empty, whatever earlier tests wrote
-        for name, method in unit.methods.items():
+        for name in lingbot_va.DIT_METHODS:
+            method = unit.methods[name]
             with torch.no_grad():
                 programs[layout, name] = torch.export.export(method.module, method.example_inputs({}, seed=0),
                                                              strict=False)
@@ -85,9 +94,11 @@ def exported(units):
 
 
 def _zero_pools(unit):
+    """Empty the KV pool buffers of the DiT steps (the VAE methods have none)."""
     for method in unit.methods.values():
-        method.module.k_pool.zero_()
-        method.module.v_pool.zero_()
+        if isinstance(method.module, PoolStep):
+            method.module.k_pool.zero_()
+            method.module.v_pool.zero_()
 
 
 # ---------------------------------------------------------------------------------------------- pulling
@@ -137,7 +148,7 @@ def test_wrong_policy_type_raises_pull_error(hub, tmp_path):
     config["type"] = "act"
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(PullError, match="'act' policy"):
-        lingbot_va.build_unit(ckpt, load_recipe(RECIPE))
+        build(hub, ckpt, load_recipe(RECIPE))
 
 
 @pytest.mark.parametrize("damage", ["missing", "mis-shaped", "truncated"])
@@ -155,7 +166,7 @@ def test_damaged_weights_raise_pull_error(hub, tmp_path, damage):
     else:
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(PullError, match="do not load into LingBot-VA") as info:
-        lingbot_va.build_unit(ckpt, load_recipe(RECIPE))
+        build(hub, ckpt, load_recipe(RECIPE))
     if damage != "truncated":
         assert name in str(info.value)
 
@@ -163,10 +174,10 @@ def test_damaged_weights_raise_pull_error(hub, tmp_path, damage):
 def test_checkpoint_that_does_not_match_the_recipe_raises_pull_error(hub):
     recipe = load_recipe(RECIPE, ["unit.options.policy_config.attn_window=30"])
     with pytest.raises(PullError, match="attn_window=4"):
-        lingbot_va.build_unit(hub[1], recipe)
+        build(hub, hub[1], recipe)
     recipe = load_recipe(RECIPE, ["inputs.pool_tokens=100"])
     with pytest.raises(PullError, match="pool_tokens=100 \\(the checkpoint gives 96\\)"):
-        lingbot_va.build_unit(hub[1], recipe)
+        build(hub, hub[1], recipe)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -180,7 +191,7 @@ def test_checkpoint_that_does_not_match_the_recipe_raises_pull_error(hub):
 ])
 def test_bad_recipe_raises_recipe_error(hub, override, message):
     with pytest.raises(RecipeError, match=message):
-        lingbot_va.build_unit(hub[1], load_recipe(RECIPE, [override]))
+        build(hub, hub[1], load_recipe(RECIPE, [override]))
 
 
 def test_attn_mode_from_the_checkpoint_is_overridden_to_torch(hub, tmp_path):
@@ -190,7 +201,7 @@ def test_attn_mode_from_the_checkpoint_is_overridden_to_torch(hub, tmp_path):
     config = json.loads((ckpt / "config.json").read_text())
     config["attn_mode"] = "flex"  # what fine-tuned checkpoints carry: training needs flex attention
     (ckpt / "config.json").write_text(json.dumps(config))
-    unit = lingbot_va.build_unit(ckpt, load_recipe(RECIPE))
+    unit = build(hub, ckpt, load_recipe(RECIPE))
     transformer = unit.methods["video_step"].module.transformer
     assert all(block.attn2.attn_op is custom_sdpa for block in transformer.blocks)
 
@@ -223,6 +234,8 @@ def test_real_recipe_states_the_sizes_of_its_policy_config_and_the_tiny_one_keep
 
 def test_unit_shapes_and_host_settings_follow_the_checkpoint(units):
     unit = units["io"]
+    # The recipe's four methods: the streaming VAE encode (first call, later calls) and one DiT step per stream.
+    assert list(unit.methods) == ["vae_encode_first", "vae_encode", "video_step", "action_step"]
     settings = json.loads(json.dumps(unit.host_settings))  # must be plain JSON
     # Tiny: 2 layers, CFG batch 2, pool = (attn_window // 2) * (32 video + 16 action tokens), 2 heads x 128.
     assert settings["kv_pool"]["shape"] == [2, 2, 96, 1, 128]
@@ -348,7 +361,7 @@ def test_unit_matches_lerobot_stateful_calls_over_a_sequence(units, layout, requ
 
 def test_bf16_unit_is_cast_as_lerobot_casts_and_matches_its_eager_calls(hub):
     recipe = load_recipe(RECIPE, ["unit.dtype=bfloat16"])
-    unit = lingbot_va.build_unit(hub[1], recipe)
+    unit = build(hub, hub[1], recipe)
     eager = unit.reference()
     # LingBotVAPolicy casts the whole transformer, fp32-kept modules included (modeling_lingbot_va.py:95).
     assert {p.dtype for p in eager.policy.transformer.parameters()} == {torch.bfloat16}

@@ -102,3 +102,10 @@ class ExportUnit:
 
     def io_spec(self) -> Dict[str, Any]:
         return {name: m.io_spec() for name, m in self.methods.items()}
+
+
+def feature_record(features: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """A LeRobot config's ``input_features`` (``{key: PolicyFeature(type, shape)}``) as plain data for
+    host_settings.json: what observation keys the policy reads, of which kind (VISUAL, STATE, ...) and shape."""
+    return {key: {"type": str(getattr(feature.type, "value", feature.type)), "shape": [int(s) for s in feature.shape]}
+            for key, feature in sorted(features.items())}

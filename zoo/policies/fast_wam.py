@@ -12,7 +12,9 @@ replaces only what blocks ``torch.export``:
 * the Python Euler loop is unrolled in-graph (``action_chunk``), or left to the host (``prefill`` plus
   ``action_step``), chosen by the recipe's ``unit.methods``.
 
-The VAE and the UMT5 text encoder stay outside the unit: the host encodes the first frame and the prompt.
+The UMT5 text encoder stays outside the unit (a prompt is embedded once, on a workstation). The Wan2.2 VAE
+encode of the first frame is the optional method ``vae_encode`` (listed first in ``unit.methods``); without it
+the host encodes the frame itself.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from lerobot.policies.fastwam.wan.components import WAN22_DIFFUSERS_MODEL_ID
 from ..errors import ExportError, PullError, RecipeError
 from ..hub_cache import hub_environment, put_in_cache
 from ..recipes import Recipe
-from .base import ExportUnit, InputSpec, MethodSpec
+from ..runner.prompt import PromptEmbedding
+from .base import ExportUnit, InputSpec, MethodSpec, feature_record
 from .tiny_wan import tiny_wan22_vae
 
 FAMILY = "fast_wam"
@@ -47,6 +50,9 @@ POLICY_TYPE = "fastwam"  # the "type" key of a Fast-WAM checkpoint's config.json
 
 CHUNK_METHODS = ("action_chunk",)
 SPLIT_METHODS = ("prefill", "action_step")
+# Optional, listed first: the Wan2.2 VAE encode of the observed first frame, so no PyTorch model code is
+# left for the deploy side (zoo.runner); without it the host must run the VAE itself.
+VAE_METHOD = "vae_encode"
 
 _INPUT_KEYS = ("context_len",)
 _UNIT_DTYPES = ("float32", "bfloat16")
@@ -72,6 +78,7 @@ class Options:
     and ``inputs``."""
 
     layout: str  # "chunk" (one method, Euler loop unrolled) or "split" (prefill + action_step)
+    with_vae: bool  # the unit also has the first-frame VAE encode (VAE_METHOD)
     num_inference_steps: Optional[int]  # None: the checkpoint's config value
     sigma_shift: Optional[float]  # None: the checkpoint's config value (itself None: scheduler infer_shift)
     context_len: Optional[int]  # None: the checkpoint's tokenizer_max_len
@@ -85,6 +92,9 @@ def parse_options(recipe: Recipe) -> Options:
         raise RecipeError(f"recipe {name!r} has family {recipe.family!r}, not {FAMILY!r}",
                           f"build it with zoo.policies.{recipe.family}")
     methods = tuple(recipe.unit.methods)
+    with_vae = methods[:1] == (VAE_METHOD,)
+    if with_vae:
+        methods = methods[1:]
     if methods == CHUNK_METHODS:
         layout = "chunk"
     elif methods == SPLIT_METHODS:
@@ -92,7 +102,8 @@ def parse_options(recipe: Recipe) -> Options:
     else:
         raise RecipeError(f"recipe {name!r}: unit.methods={list(methods)} is not a Fast-WAM layout",
                           f"use {list(CHUNK_METHODS)} (whole chunk, loop unrolled) or {list(SPLIT_METHODS)} "
-                          "(the host runs the Euler loop)")
+                          f"(the host runs the Euler loop), optionally preceded by {VAE_METHOD!r} (the "
+                          "first-frame VAE encode)")
     if recipe.unit.dtype not in _UNIT_DTYPES:
         raise RecipeError(f"recipe {name!r}: unit.dtype={recipe.unit.dtype!r} is not supported by Fast-WAM",
                           f"use one of: {', '.join(_UNIT_DTYPES)} (LeRobot builds Fast-WAM only in these)")
@@ -108,7 +119,7 @@ def parse_options(recipe: Recipe) -> Options:
     ):
         raise RecipeError(f"recipe {name!r}: inputs.context_len={context_len!r}",
                           "give the number of UMT5 context tokens (the checkpoint's tokenizer_max_len)")
-    return Options(layout, options.num_inference_steps, options.sigma_shift, context_len,
+    return Options(layout, with_vae, options.num_inference_steps, options.sigma_shift, context_len,
                    dict(options.fabricate_config))
 
 
@@ -234,6 +245,24 @@ class _FastWAMUnitBase(nn.Module):
         timesteps = torch.tensor(self._timesteps_f32, dtype=torch.float32, device=device)
         deltas = torch.tensor(self._deltas_f32, dtype=torch.float32, device=device)
         return timesteps.to(dtype), deltas.to(dtype)
+
+
+class FastWAMVaeEncode(nn.Module):
+    """``vae_encode``: LeRobot's own first-frame encode (``FastWAM._encode_input_image_latents_tensor``).
+
+    Pixels in [0, 1] at the policy's image size, in the unit's dtype, as ``infer_action`` hands them over; out
+    come the normalised float32 latents ``(mu - latents_mean) / latents_std`` that ``prefill`` takes. diffusers'
+    encode of a single frame runs the causal encoder with an empty feature cache, so nothing is carried from
+    one call to the next.
+    """
+
+    def __init__(self, fw: nn.Module):
+        super().__init__()
+        self.vae = fw.vae
+        object.__setattr__(self, "fw", fw)  # unregistered: only the VAE belongs to this method
+
+    def forward(self, image):
+        return self.fw._encode_input_image_latents_tensor(image)
 
 
 class FastWAMActionChunk(_FastWAMUnitBase):
@@ -413,6 +442,11 @@ def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
     context_mask = InputSpec("context_mask", "bool", [1, context_len], "bernoulli:0.9")
     proprio = InputSpec("proprio", dtype, [1, proprio_dim], "normal")
     methods: Dict[str, MethodSpec] = {}
+    if opts.with_vae:
+        methods[VAE_METHOD] = MethodSpec(
+            VAE_METHOD, FastWAMVaeEncode(fw).eval(),
+            [InputSpec("image", dtype, [1, 3, image_h, image_w], "uniform:0:1")], ["first_frame_latents"],
+        )
     if opts.layout == "chunk":
         methods["action_chunk"] = MethodSpec(
             "action_chunk", FastWAMActionChunk(*args).eval(),
@@ -437,8 +471,8 @@ def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
             ],
             ["actions"],
         )
-    any_method = next(iter(methods.values())).module
-    timesteps, deltas = any_method.schedule(getattr(torch, dtype))
+    dit_method = next(m.module for m in methods.values() if isinstance(m.module, _FastWAMUnitBase))
+    timesteps, deltas = dit_method.schedule(getattr(torch, dtype))
     host_settings = {
         "policy_type": POLICY_TYPE,
         "layout": opts.layout,
@@ -453,9 +487,15 @@ def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
         "action_dim": action_dim,
         "proprio_dim": proprio_dim,
         "image_size": [image_h, image_w],
+        # What the policy reads from an observation batch (its config's input_features): the runner's
+        # observation keys, and what the policy check draws its synthetic observations from.
+        "observation_features": feature_record(config.input_features),
         "image_features": {k: list(v.shape) for k, v in sorted(config.image_features.items())},
         "image_layout": "cameras resized and concatenated on width in sorted key order, pixels in [0, 1]; "
                         "the VAE input is 2 * image - 1",
+        # The model's own input resize (modeling_fastwam._resize_frames), applied when a camera is not at size.
+        "image_resize": {"mode": "bilinear", "align_corners": False, "antialias": True},
+        "vae_method": VAE_METHOD if opts.with_vae else None,
         "first_frame_latent_shape": latent_shape,
         "video_grid": list(grid),
         "context_len": context_len,
@@ -560,7 +600,11 @@ def make_reference(fw: nn.Module, horizon: int, steps: int, sigma_shift: Optiona
         # infer_action hands back float32 on the CPU; the step's own dtype converts back exactly.
         return (out.to(device=noisy_actions.device, dtype=noisy_actions.dtype),)
 
-    methods = {"action_chunk": action_chunk, "prefill": prefill, "action_step": action_step}
+    def vae_encode(image):
+        return (fw._encode_input_image_latents_tensor(image),)
+
+    methods = {"vae_encode": vae_encode, "action_chunk": action_chunk, "prefill": prefill,
+               "action_step": action_step}
 
     def reference(method: str, *inputs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         if method not in methods:
@@ -569,6 +613,37 @@ def make_reference(fw: nn.Module, horizon: int, steps: int, sigma_shift: Optiona
             return methods[method](*inputs)
 
     return reference
+
+
+# --------------------------------------------------------------------------------------------------------
+# The deploy side's counterparts (zoo.runner): LeRobot's whole policy, and prompt embeddings
+
+
+def lerobot_policy(checkpoint_dir: Path, recipe: Recipe, device: str = "cpu"):
+    """LeRobot's own policy as a control loop builds it: ``(policy, preprocessor, postprocessor)`` on
+    ``device`` in the recipe's dtype, with its text encoder (it embeds the task itself). The policy check's
+    reference."""
+    dtype = recipe.unit.dtype
+    from lerobot.policies.factory import make_pre_post_processors
+
+    checkpoint_dir = Path(checkpoint_dir)
+    _read_policy_type(checkpoint_dir)
+    config = PreTrainedConfig.from_pretrained(checkpoint_dir)
+    config.device = device
+    config.torch_dtype = dtype
+    policy = FastWAMPolicy.from_pretrained(checkpoint_dir, config=config, strict=True).eval()
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(checkpoint_dir),
+                                         preprocessor_overrides={"device_processor": {"device": device}})
+    return policy, pre, post
+
+
+def embed_prompt(policy: FastWAMPolicy, task: str):
+    """What ``python -m zoo prompt`` writes for Fast-WAM: LeRobot's ``encode_prompt`` of the task in the
+    policy's prompt template (modeling_fastwam._prompt_from_batch), as a ``zoo.runner.PromptEmbedding``."""
+    text = policy.config.prompt_template.format(task=task)
+    with torch.no_grad():
+        context, mask = policy.model.encode_prompt(text)
+    return PromptEmbedding(task, POLICY_TYPE, {"context": context, "context_mask": mask}, text=text)
 
 
 # --------------------------------------------------------------------------------------------------------

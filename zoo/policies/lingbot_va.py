@@ -26,9 +26,11 @@ from typing import Any, Dict, List
 
 import torch
 
-from ..errors import PullError, RecipeError
+from ..errors import ExportError, PullError, RecipeError
 from ..recipes import Recipe
-from .base import ExportUnit, InputSpec, MethodSpec
+from ..runner.prompt import PromptEmbedding
+from .base import ExportUnit, InputSpec, MethodSpec, feature_record
+from . import lingbot_va_vae as vae_stream
 from .lingbot_va_pool import PoolStep, zero_pools
 from .tiny_wan import Z_DIM, tiny_wan22_vae
 
@@ -37,7 +39,11 @@ from lerobot.policies.lingbot_va import LingBotVAConfig, LingBotVAPolicy
 
 FAMILY = "lingbot_va"
 POLICY_TYPE = "lingbot_va"  # the "type" key LeRobot writes into config.json for this policy
-METHODS = ("video_step", "action_step")
+DIT_METHODS = ("video_step", "action_step")
+# The streaming Wan2.2 VAE encode of observed frames (zoo/policies/lingbot_va_vae.py), so the deploy side runs
+# no PyTorch model code: both or neither.
+VAE_METHODS = (vae_stream.FIRST_METHOD, vae_stream.STEP_METHOD)
+METHODS = DIT_METHODS + VAE_METHODS
 UNIT_DTYPES = ("float32", "bfloat16")  # LingBot-VA's own dtype table has no float64
 # Set by zoo whatever the checkpoint says: export needs plain SDPA ("flex" is training-only and compiles
 # itself, "flashattn" is an opaque extension), a CPU build, and the recipe's dtype.
@@ -69,6 +75,9 @@ def _validate_recipe(recipe: Recipe) -> Dict[str, Any]:
     if not methods or len(set(methods)) != len(methods) or not set(methods) <= set(METHODS):
         raise RecipeError(f"recipe {recipe.name!r}: unit.methods={methods} is not valid for LingBot-VA",
                           f"list each of {', '.join(METHODS)} at most once")
+    if len(set(methods) & set(VAE_METHODS)) == 1:
+        raise RecipeError(f"recipe {recipe.name!r}: unit.methods lists only one of {list(VAE_METHODS)}",
+                          "the streaming VAE encode needs both: the episode's first call and the later ones")
     if recipe.unit.dtype not in UNIT_DTYPES:
         raise RecipeError(f"recipe {recipe.name!r}: unit.dtype={recipe.unit.dtype!r} is not supported by LingBot-VA",
                           f"use one of: {', '.join(UNIT_DTYPES)}")
@@ -288,6 +297,11 @@ def _host_settings(policy: LingBotVAPolicy, layout: _Layout, recipe: Recipe) -> 
             "tokens_per_step": layout.action_tokens,
         },
         "scheduler": _scheduler_settings(policy),
+        # _infer (modeling_lingbot_va.py:756-759) draws both per chunk from the global generator, on the
+        # policy's device, directly in the model dtype: the video latents first, then the actions.
+        "noise": {"generator": "global", "dtype": recipe.unit.dtype,
+                  "video_shape": [1, LATENT_CHANNELS, layout.frames, layout.latent_h, layout.latent_w],
+                  "action_shape": [1, cfg.action_dim, layout.frames, cfg.action_per_frame, 1]},
         # What LingBotVAPolicy._infer / _prepare_latent_input do around the unit calls (modeling_lingbot_va.py).
         "host_loop": [
             "video: for each t of the schedule plus a final t=0, call video_step with timesteps=t for every "
@@ -308,6 +322,9 @@ def _host_settings(policy: LingBotVAPolicy, layout: _Layout, recipe: Recipe) -> 
             "text_dim": cfg.text_dim,
             "frozen_components": cfg.wan_pretrained_path,  # vae/, text_encoder/ (UMT5), tokenizer/
         },
+        # What the policy reads from an observation batch (its config's input_features): the runner's
+        # observation keys, and what the policy check draws its synthetic observations from.
+        "observation_features": feature_record(cfg.input_features),
         "cameras": {
             "keys": list(cfg.obs_cam_keys),
             "layout": cfg.camera_layout,
@@ -332,6 +349,35 @@ def _scheduler_settings(policy: LingBotVAPolicy) -> Dict[str, Any]:
         # _infer pads each stream's schedule with one t=0 step; that last call is the one that commits
         # (update_cache=1), and its prediction is not used for an update.
         "append_zero_step": True,
+        # The tables _infer steps with (set_timesteps(num_inference_steps) on each scheduler), float32 values:
+        # FlowMatchScheduler.step takes sigma[i] and sigma[i + 1] (0 after the last) at argmin |timesteps - t|.
+        "video": _scheduler_tables(video, policy.config.num_inference_steps),
+        "action": _scheduler_tables(action, policy.config.action_num_inference_steps),
+    }
+
+
+def _scheduler_tables(scheduler: Any, steps: int) -> Dict[str, List[float]]:
+    import copy
+
+    scheduler = copy.deepcopy(scheduler)  # the policy's own instance keeps its state
+    scheduler.set_timesteps(steps)
+    return {"sigmas": [float(x) for x in scheduler.sigmas.tolist()],
+            "timesteps": [float(x) for x in scheduler.timesteps.tolist()]}
+
+
+def _vae_settings(policy: LingBotVAPolicy, methods: Dict[str, MethodSpec]) -> Dict[str, Any]:
+    """What the host does around the streaming VAE methods (modeling_lingbot_va.py:526-576)."""
+    cfg = policy.config
+    return {
+        "first_method": vae_stream.FIRST_METHOD,
+        "step_method": vae_stream.STEP_METHOD,
+        "frames_per_call": vae_stream.FRAMES_PER_CALL,
+        "cache": [s.name for s in methods[vae_stream.STEP_METHOD].inputs[1:]],
+        # select_action buffers an observation every keyframe_stride executed actions (reset(), :167).
+        "keyframe_stride": max(1, cfg.action_per_frame // 4),
+        "frames": ("_camera_frame per camera in obs_cam_keys order: float32, hflip if image_hflip, bilinear resize "
+                   "(align_corners=False) to height x width, 2 * x - 1, to the model dtype; cameras stacked on the "
+                   "batch axis, frames on the time axis"),
     }
 
 
@@ -376,6 +422,36 @@ def check_recipe(recipe: Recipe) -> None:
     _validate_recipe(recipe)
 
 
+def _vae_methods(policy: LingBotVAPolicy, dtype: str) -> Dict[str, MethodSpec]:
+    """``vae_encode_first`` and ``vae_encode``: the streaming VAE LeRobot loads from ``wan_pretrained_path``."""
+    from lerobot.policies.lingbot_va.utils import load_vae
+
+    cfg = policy.config
+    if cfg.camera_layout != "width_concat":
+        raise ExportError(f"the streaming VAE methods support camera_layout 'width_concat', this checkpoint has "
+                          f"{cfg.camera_layout!r} (two VAEs, half-resolution wrists)",
+                          "export without vae_encode_first/vae_encode; zoo.runner refuses this layout for now")
+    try:
+        vae = load_vae(cfg.wan_pretrained_path, torch_dtype=policy.dtype, torch_device="cpu", subfolder="vae").eval()
+    except OSError as exc:
+        raise PullError(f"LingBot-VA's VAE cannot be loaded from {cfg.wan_pretrained_path!r}: {exc}",
+                        "make the repo reachable (online, or in the Hub cache when offline)") from None
+    cams = len(cfg.obs_cam_keys)
+    conv, shapes = vae_stream.cache_layout(vae, [cams, 3, 1, cfg.height, cfg.width], policy.dtype)
+    cache = [InputSpec(f"vae_cache_{i}", dtype, shape) for i, shape in enumerate(shapes)]
+    latent_h, latent_w = policy._latent_hw
+    frames = [cams, 3, None, cfg.height, cfg.width]
+    outputs = ["latent"] + [c.name for c in cache]
+    first, step = vae_stream.FIRST_METHOD, vae_stream.STEP_METHOD
+    return {
+        first: MethodSpec(first, vae_stream.StreamingVaeEncode(vae, True, conv).eval(),
+                          [InputSpec("frames", dtype, frames[:2] + [1] + frames[3:], "uniform:-1:1")], outputs),
+        step: MethodSpec(step, vae_stream.StreamingVaeEncode(vae, False, conv).eval(),
+                         [InputSpec("frames", dtype, frames[:2] + [vae_stream.FRAMES_PER_CALL] + frames[3:],
+                                    "uniform:-1:1")] + cache, outputs),
+    }
+
+
 def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
     checkpoint_dir = Path(checkpoint_dir)
     policy = load_policy(checkpoint_dir, recipe)
@@ -384,8 +460,12 @@ def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
     dtype = recipe.unit.dtype
     kv_pool = recipe.lowering.kv_pool
     shared = zero_pools(layout.pool, getattr(torch, dtype)) if kv_pool == "buffer" else None
+    vae = _vae_methods(policy, dtype) if set(VAE_METHODS) & set(recipe.unit.methods) else {}
     methods: Dict[str, MethodSpec] = {}
     for name in recipe.unit.methods:
+        if name in vae:
+            methods[name] = vae[name]
+            continue
         module = PoolStep(policy.transformer, action_mode=(name == "action_step"), kv_pool=kv_pool,
                           shared_pools=shared).eval()
         pred = "noise_pred" if name == "video_step" else "action_noise_pred"
@@ -393,8 +473,42 @@ def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
         methods[name] = MethodSpec(name=name, module=module,
                                    inputs=_method_inputs(name, policy, layout, dtype, kv_pool),
                                    output_names=outputs)
-    return ExportUnit(family=FAMILY, methods=methods, host_settings=_host_settings(policy, layout, recipe),
+    settings = _host_settings(policy, layout, recipe)
+    if vae:
+        settings["vae"] = _vae_settings(policy, vae)
+    return ExportUnit(family=FAMILY, methods=methods, host_settings=settings,
                       host_files=_host_files(checkpoint_dir), reference=lambda: LeRobotSteps(policy))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the deploy side's counterparts (zoo.runner): LeRobot's whole policy, and prompt embeddings
+
+
+def lerobot_policy(checkpoint_dir: Path, recipe: Recipe, device: str = "cpu"):
+    """LeRobot's own policy as a control loop builds it: ``(policy, preprocessor, postprocessor)`` on
+    ``device``, with its VAE, UMT5 and tokenizer loaded now. LeRobot loads them lazily on the first call; up
+    front, an episode's use of the global generator is the noise alone, whatever a loader might draw."""
+    from lerobot.policies.factory import make_pre_post_processors
+
+    policy = load_policy(checkpoint_dir, recipe)
+    policy.config.device = device
+    policy.to(device)
+    policy._ensure_frozen_modules()
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(checkpoint_dir),
+                                         preprocessor_overrides={"device_processor": {"device": device}})
+    return policy, pre, post
+
+
+def embed_prompt(policy: LingBotVAPolicy, task: str):
+    """What ``python -m zoo prompt`` writes for LingBot-VA: LeRobot's own ``_encode_prompt`` of the task
+    (UMT5, padded to max_sequence_length) and, when the policy runs CFG, of the empty negative prompt."""
+    policy._ensure_frozen_modules()
+    with torch.no_grad():
+        prompt, negative = policy._encode_prompt(task or "")
+    tensors = {"prompt_embeds": prompt}
+    if negative is not None:
+        tensors["negative_prompt_embeds"] = negative
+    return PromptEmbedding(task, POLICY_TYPE, tensors)
 
 
 # ----------------------------------------------------------------------------------------------------------

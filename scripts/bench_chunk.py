@@ -1,0 +1,464 @@
+#!/usr/bin/env python3
+"""Chunk latency at real size (issue 13, item 4): observation -> actions for one whole action chunk.
+
+    python scripts/bench_chunk.py --out OUT [--policies lingbot_va fast_wam] [--chunks 4] [--episodes 3]
+
+For each policy, three candidates drive the same seeded observation sequence, one episode at a time:
+
+  runner (artifact)        zoo.runner over the lowered run folder: the shipped .so files through torch's AOTI
+                           runner, the host loop in Python (the VAE encode, every video and action step, CFG,
+                           slot bookkeeping, processors)
+  LeRobot eager            LeRobot's own policy, ``postprocessor(policy.select_action(preprocessor(obs)))``
+  LeRobot torch.compile    the same policy with its DiT blocks compiled (``nn.Module.compile`` on each block of
+                           LingBot-VA's ``transformer.blocks`` / Fast-WAM's ``model.mot.layers``: the policy's
+                           loops, KV cache and VAE stay eager, as a user compiling the model would leave them)
+
+A chunk's latency is the wall time of the ``select_action`` call that predicts it (synchronised before and
+after): everything from observation to actions. The first chunk of each episode is not counted (it holds the
+once-per-episode work: LingBot-VA's prompt encode and streaming-cache set-up, compilation warm-up); chunks 2..N
+of every episode are, after one untimed warm-up episode. Actions per second = the actions of those chunks over
+the time of all ``select_action`` calls that produced them (queue pops and keyframe buffering included).
+Targets (the issue's): runner/eager <= 0.5 and runner/compile <= 1.0.
+
+Prompts: LingBot-VA embeds the task once per episode (the first chunk); Fast-WAM's LeRobot policy would run
+UMT5 on every chunk, so both sides get the precomputed context in the batch (``context``/``context_mask``, which
+LeRobot's Fast-WAM accepts in place of a task) and UMT5 is out of the timed work on both sides, as in a deployed
+runner with its prompt file.
+
+Weights: seeded random, no checkpoint download. The policy is built from the recipe's configuration with the
+construction ``bench_real_size.random_init_instead_of_weights`` provides (``seeded_policy_weights`` below is the
+one place to switch to another initialiser); the export unit and LeRobot's policy are built the same way from the
+same seed. The repos the policies load by Hub id are stand-ins in a private cache: the real-size Wan2.2 VAE
+(0.7 B parameters, random) and a one-layer UMT5 and tokenizer at the policy's text width.
+
+Stages, each resumable (a 10-minute command limit cuts a real-size run into calls): ``--only lower`` builds,
+exports and lowers into OUT/<policy>/run (skipped when model.pte is already there); ``--only bench`` times an
+already-lowered run. OUT/chunk_latency.json and OUT/chunk_latency.md are rewritten after every policy.
+``--tiny --backend eager --device cpu --no-compile`` checks this script on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+for path in (ROOT, ROOT / "scripts"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import torch  # noqa: E402
+
+from bench_real_size import placeholder_checkpoint, random_init_instead_of_weights  # noqa: E402
+from zoo import bench, gpu_steps, pipeline, policies  # noqa: E402
+from zoo.hub_cache import hub_environment, put_in_cache  # noqa: E402
+from zoo.policy_check import checkpoint_in_reach  # noqa: E402
+from zoo.policies.tiny_wan import real_size_wan22_vae  # noqa: E402
+from zoo.recipes import load_recipe  # noqa: E402
+from zoo.report import RunReport, format_table, markdown_table  # noqa: E402
+from zoo.run_folder import RunFolder  # noqa: E402
+from zoo.runner import load as load_runner  # noqa: E402
+from zoo.runner.check import ProcessedPolicy  # noqa: E402
+from zoo.runner.loading import RUNNERS  # noqa: E402
+from zoo.runner.observations import synthetic_observations  # noqa: E402
+
+POLICIES = {"lingbot_va": ("lingbot-va", "lingbot-va-tiny"), "fast_wam": ("fast-wam", "fast-wam-tiny")}
+# Where each family's DiT blocks are, for the torch.compile candidate.
+COMPILED_BLOCKS = {"lingbot_va": "transformer.blocks", "fast_wam": "model.mot.layers"}
+TARGETS = {"runner/eager": 0.5, "runner/compile": 1.0}
+JSON_NAME, MD_NAME = "chunk_latency.json", "chunk_latency.md"
+
+
+def say(message: str) -> None:
+    print(f"[bench-chunk {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Real-size policies with seeded random weights
+
+
+@contextlib.contextmanager
+def seeded_policy_weights(policy_cls, seed: int) -> Iterator[None]:
+    """The one place a real-size policy gets its weights: LeRobot's constructors' own random initialisation from
+    ``seed``, no file read (bench_real_size's way; swap in another initialiser here)."""
+    with torch.random.fork_rng(devices=[]), random_init_instead_of_weights(policy_cls):
+        torch.manual_seed(seed)
+        yield
+
+
+def standin_repos(family: str, config, cache: Path, seed: int) -> None:
+    """The repos the policy loads by Hub id, put into ``cache``: the families' own fabrication of them at this
+    configuration's text width, with the real-size Wan2.2 VAE in place of the tiny one."""
+    fam = policies.load_family(family)
+    work = cache.parent / "standins"
+    vae = real_size_wan22_vae().to(torch.bfloat16)  # LeRobot casts it to the policy's dtype when loading
+    if family == "lingbot_va":
+        folder = work / "frozen"
+        fam._save_frozen_repo(config, seed, folder)
+        vae.save_pretrained(folder / "vae")
+        put_in_cache(config.wan_pretrained_path, folder, cache)
+        return
+    text_dim = int(config.video_dit_config["text_dim"])
+    generator = torch.Generator().manual_seed(seed)
+    tokenizer_dir, wan_dir = work / "tokenizer", work / "wan"
+    vocab = fam._write_tokenizer(tokenizer_dir, text_dim)
+    fam._write_wan_components(wan_dir, text_dim, vocab, generator)
+    vae.save_pretrained(wan_dir / "vae")
+    put_in_cache(fam.WAN22_DIFFUSERS_MODEL_ID, wan_dir, cache)
+    put_in_cache(config.tokenizer_model_id, tokenizer_dir, cache)
+
+
+def real_config(family: str, recipe):
+    """The LeRobot config a checkpoint of this recipe carries (its policy_config / fabricate_config)."""
+    fam = policies.load_family(family)
+    if family == "lingbot_va":
+        return fam._fabricated_config(recipe, fam._validate_recipe(recipe))
+    from lerobot.policies.fastwam.configuration_fastwam import FastWAMConfig
+
+    fields = dict(recipe.unit.options.fabricate_config)
+    for key in ("video_dit_config", "action_dit_config"):
+        if key in fields:
+            fields[key] = dict(fields[key])
+    fields.update(base_model_id=None, torch_dtype=recipe.unit.dtype, device="cpu")
+    return FastWAMConfig(**fields)
+
+
+def write_processors(family: str, config, folder: Path, seed: int) -> None:
+    """The policy's processor files with seeded statistics, as a checkpoint carries them."""
+    g = torch.Generator().manual_seed(seed + 1)
+    if family == "lingbot_va":
+        from lerobot.policies.lingbot_va import make_lingbot_va_pre_post_processors as make
+
+        n = len(config.used_action_channel_ids)
+        q01 = -1.0 - torch.rand(n, generator=g)
+        stats = {"action": {"q01": q01, "q99": q01 + 0.5 + 2.0 * torch.rand(n, generator=g)}}
+    else:
+        from lerobot.policies.fastwam.processor_fastwam import make_fastwam_pre_post_processors as make
+
+        stats = {"action": {"mean": 0.1 * torch.randn(config.action_dim, generator=g),
+                            "std": 0.5 + torch.rand(config.action_dim, generator=g)},
+                 "observation.state": {"mean": 0.1 * torch.randn(config.proprio_dim, generator=g),
+                                       "std": 0.5 + torch.rand(config.proprio_dim, generator=g)}}
+    pre, post = make(config, dataset_stats=stats)
+    pre.save_pretrained(folder)
+    post.save_pretrained(folder)
+
+
+def policy_class(family: str):
+    if family == "lingbot_va":
+        from lerobot.policies.lingbot_va import LingBotVAPolicy
+
+        return LingBotVAPolicy
+    from lerobot.policies.fastwam.modeling_fastwam import FastWAMPolicy
+
+    return FastWAMPolicy
+
+
+@contextlib.contextmanager
+def policy_source(family: str, recipe, work: Path, tiny: bool) -> Iterator[Tuple[Path, Callable]]:
+    """(checkpoint folder, weights context) with the policy's Hub repos in reach for the block: tiny recipes
+    use zoo's fabricated checkpoint; real ones a placeholder checkpoint, seeded random weights and stand-ins."""
+    if tiny:
+        with checkpoint_in_reach(recipe) as checkpoint:
+            yield checkpoint, contextlib.nullcontext
+        return
+    config = real_config(family, recipe)
+    checkpoint = work / "checkpoint"
+    if not (checkpoint / "config.json").is_file():
+        placeholder_checkpoint(config, checkpoint)
+        write_processors(family, config, checkpoint, recipe.source.seed)
+    cache = work / "hub"
+    if not cache.is_dir():
+        say(f"{family}: writing the Hub stand-ins (real-size Wan2.2 VAE) into {cache}")
+        standin_repos(family, config, cache, recipe.source.seed)
+    cls = policy_class(family)
+    with hub_environment(cache, offline=True):
+        yield checkpoint, lambda: seeded_policy_weights(cls, recipe.source.seed)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Export and lower
+
+
+def lower_policy(family: str, recipe, run: RunFolder, checkpoint: Path, weights: Callable, device: str) -> None:
+    """Build, export, rewrite, preflight and lower through the pipeline's own steps into ``run``."""
+    run.path.mkdir(parents=True, exist_ok=True)
+    report = RunReport(run.path, recipe.to_dict())
+    run.write_recipe(recipe)
+    try:
+        fam = policies.load_family(family)
+        with weights():
+            unit = pipeline.build_step(None, recipe, run, report, build=lambda: fam.build_unit(checkpoint, recipe))
+        programs, _ = pipeline.export_step(unit, recipe, run, report, save=False, reference=False)
+        del unit
+        gc.collect()
+        rewritten = pipeline.rewrite_step(programs, recipe, report)
+        del programs
+        gc.collect()
+        if torch.device(device).type == "cuda":
+            gpu_steps.preflight_step(rewritten, recipe, report)
+            gpu_steps.lower_step(rewritten, run, recipe, report)
+        else:  # the eager backend (a CPU check of this script) runs the rewritten programs
+            pipeline.save_step(rewritten, recipe, run, report)
+        report.record("status", "lowered")
+    finally:
+        run.write_report(report)
+
+
+# ------------------------------------------------------------------------------------------------------
+# Timing
+
+
+def sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_episodes(policy: Any, observations: List[dict], chunk_starts: List[int], episodes: int, seed: int,
+                  device: str) -> Dict[str, Any]:
+    """One untimed episode, then ``episodes`` timed ones: per select_action call, synchronised wall time."""
+    chunk_ms: List[float] = []
+    steady_ms = 0.0
+    steady_actions = 0
+    actions: List[torch.Tensor] = []
+    first = chunk_starts[1]  # chunks 2..N: from the second chunk's first call to the end of the last full chunk
+    last = chunk_starts[-1]
+    for episode in range(episodes + 1):
+        torch.manual_seed(seed)
+        policy.reset()
+        actions = []
+        for step, obs in enumerate(observations):
+            batch = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in obs.items()}
+            sync(device)
+            start = time.perf_counter()
+            action = policy.select_action(batch)
+            sync(device)
+            ms = (time.perf_counter() - start) * 1e3
+            actions.append(action.detach().to("cpu", torch.float32))
+            if episode == 0 or not first <= step < last:
+                continue
+            steady_ms += ms
+            steady_actions += 1
+            if step in chunk_starts:
+                chunk_ms.append(ms)
+    stats = bench.Stats.from_samples(chunk_ms)
+    return {"chunk_ms": stats.as_dict(), "samples": len(chunk_ms),
+            "actions_per_second": steady_actions / (steady_ms / 1e3) if steady_ms else None,
+            "actions": torch.stack(actions)}
+
+
+def chunk_starts_of(runner, observations: List[dict], seed: int) -> List[int]:
+    """The steps whose select_action predicts a chunk (where the runner's chunk count goes up)."""
+    torch.manual_seed(seed)
+    runner.reset()
+    starts, seen = [], 0
+    for step, obs in enumerate(observations):
+        runner.select_action(dict(obs))
+        if runner.chunks_predicted != seen:
+            starts.append(step)
+            seen = runner.chunks_predicted
+    return starts
+
+
+class WithContext:
+    """A preprocessor, then the precomputed prompt context added to its output."""
+
+    def __init__(self, preprocessor: Callable, context: Dict[str, torch.Tensor]):
+        self.preprocessor, self.context = preprocessor, context
+
+    def __call__(self, batch: dict) -> dict:
+        out = self.preprocessor(batch)
+        return {**out, **{k: v.to(_device_of(out)) for k, v in self.context.items()}}
+
+
+def _device_of(batch: dict) -> torch.device:
+    return next((v.device for v in batch.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+
+
+def compile_blocks(policy: Any, family: str) -> int:
+    """``nn.Module.compile`` each DiT block in place; returns how many."""
+    blocks = policy
+    for part in COMPILED_BLOCKS[family].split("."):
+        blocks = getattr(blocks, part)
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
+def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
+    real, tiny = POLICIES[family]
+    recipe = load_recipe(tiny if args.tiny else real)
+    work = out / family
+    run = RunFolder(work / "run")
+    record: Dict[str, Any] = {"policy": family, "recipe": recipe.name, "dtype": recipe.unit.dtype,
+                              "candidates": {}}
+    results["policies"].append(record)
+    have = run.pte.is_file() if args.backend == "artifact" else run.program("rewritten", recipe.unit.methods[0]).is_file()
+    try:
+        with policy_source(family, recipe, work, args.tiny) as (checkpoint, weights):
+            if not have and args.only != "bench":
+                say(f"{family}: build, export and lower ({', '.join(recipe.unit.methods)}) into {run.path}")
+                lower_policy(family, recipe, run, checkpoint, weights, args.device)
+            record["run"] = str(run.path)
+            if args.only == "lower":
+                record["status"] = "lowered"
+                return
+            settings = run.read_host_settings()
+            steps = RUNNERS[settings["policy_type"]].episode_steps(settings, args.chunks)
+            observations = synthetic_observations(settings, steps, args.seed, recipe.policy_check.task)
+            fam = policies.load_family(family)
+            runner = load_runner(run, backend=args.backend, device=args.device)
+            with weights():
+                policy, pre, post = fam.lerobot_policy(checkpoint, recipe, device=args.device)
+            embedding = fam.embed_prompt(policy, recipe.policy_check.task)
+            runner.prompts[embedding.task] = embedding
+            if family == "fast_wam":
+                # The context on both sides, added past the preprocessor (LeRobot's pipeline drops extra keys):
+                # UMT5 out of the timed work, and the task text out of the batch (LeRobot takes one or the other).
+                context = {"context": embedding.tensors["context"], "context_mask": embedding.tensors["context_mask"]}
+                for obs in observations:
+                    del obs["task"]
+                pre = WithContext(pre, context)
+                runner.preprocessor = WithContext(runner.preprocessor, context)
+            starts = chunk_starts_of(runner, observations, args.seed)
+            record["actions_per_chunk"] = starts[2] - starts[1]
+            record["chunk_starts"] = starts
+            timed: Dict[str, Dict[str, Any]] = {}
+            say(f"{family}: runner ({args.backend})")
+            timed["runner"] = time_episodes(runner, observations, starts, args.episodes, args.seed, args.device)
+            runner.close()
+            del runner
+            gc.collect()
+            reference = ProcessedPolicy(policy, pre, post)
+            say(f"{family}: LeRobot eager")
+            timed["eager"] = time_episodes(reference, observations, starts, args.episodes, args.seed, args.device)
+            if not args.no_compile:
+                say(f"{family}: LeRobot torch.compile")
+                try:
+                    record["compiled_blocks"] = compile_blocks(policy, family)
+                    timed["compile"] = time_episodes(reference, observations, starts, args.episodes, args.seed,
+                                                     args.device)
+                except Exception as exc:  # a compile failure is a result of its own; the other numbers stand
+                    record["candidates"]["compile"] = {"error": bench.error_line(exc)}
+            for name, t in timed.items():
+                record["candidates"][name] = {k: v for k, v in t.items() if k != "actions"}
+            # How far the runner's actions are from LeRobot eager's on the timed episode (same seed and weights).
+            diff = timed["runner"]["actions"] - timed["eager"]["actions"]
+            record["runner_vs_eager_rel_l2"] = float(diff.norm() / timed["eager"]["actions"].norm())
+            record["ratios"] = ratios(record["candidates"])
+            record["status"] = "done"
+            del policy, pre, post, reference
+    except Exception as exc:  # one policy failing (out of memory, a lowering refusal) must not lose the other
+        record["status"] = "failed"
+        record["error"] = bench.error_line(exc)
+        record["traceback"] = traceback.format_exc(limit=8)
+        say(f"{family} failed: {record['error']}")
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def ratios(candidates: Dict[str, Dict[str, Any]]) -> Dict[str, Optional[float]]:
+    def median(name: str) -> Optional[float]:
+        return ((candidates.get(name) or {}).get("chunk_ms") or {}).get("median")
+
+    runner = median("runner")
+    return {"runner/eager": runner / median("eager") if runner and median("eager") else None,
+            "runner/compile": runner / median("compile") if runner and median("compile") else None}
+
+
+# ------------------------------------------------------------------------------------------------------
+# Rendering
+
+
+def table_rows(results: Dict[str, Any]) -> List[List[str]]:
+    rows = [["policy", "actions/chunk", "runner ms", "eager ms", "compile ms", "runner/eager", "runner/compile",
+             "actions/s runner", "actions/s eager", "actions/s compile", "runner vs eager rel L2"]]
+
+    def ms(c: Dict[str, Any]) -> str:
+        if c.get("error"):
+            return "failed"
+        s = c.get("chunk_ms")
+        return f"{s['median']:.1f} (p10 {s['p10']:.1f}, p90 {s['p90']:.1f})" if s else "-"
+
+    def aps(c: Dict[str, Any]) -> str:
+        v = c.get("actions_per_second")
+        return f"{v:.1f}" if v else "-"
+
+    def ratio(value: Optional[float], key: str) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.2f}x ({'meets' if value <= TARGETS[key] else 'misses'} <= {TARGETS[key]})"
+
+    for r in results["policies"]:
+        if r.get("status") != "done":
+            rows.append([r["policy"], r.get("status", "?"), r.get("error", "")] + [""] * 8)
+            continue
+        c = r["candidates"]
+        rows.append([f"{r['policy']} ({r['dtype']})", str(r["actions_per_chunk"]), ms(c.get("runner", {})),
+                     ms(c.get("eager", {})), ms(c.get("compile", {})),
+                     ratio(r["ratios"]["runner/eager"], "runner/eager"),
+                     ratio(r["ratios"]["runner/compile"], "runner/compile"), aps(c.get("runner", {})),
+                     aps(c.get("eager", {})), aps(c.get("compile", {})), f"{r['runner_vs_eager_rel_l2']:.2e}"])
+    return rows
+
+
+def write(results: Dict[str, Any], out: Path) -> None:
+    (out / JSON_NAME).write_text(json.dumps(results, indent=2, default=str))
+    env = results["environment"]
+    md = ["# Chunk latency: observation -> actions for one whole chunk", "",
+          f"Command: `{results['command']}`", "",
+          f"GPU: {env.get('gpu') or env.get('device')}; torch {env.get('torch')}; executorch {env.get('executorch')}.",
+          "", markdown_table(table_rows(results)), ""]
+    (out / MD_NAME).write_text("\n".join(md))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scripts/bench_chunk.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--out", type=Path, required=True, help="output folder (one sub-folder per policy)")
+    p.add_argument("--policies", nargs="+", choices=sorted(POLICIES), default=["lingbot_va", "fast_wam"])
+    p.add_argument("--chunks", type=int, default=4, help="whole chunks per episode; 2..N are timed (default 4)")
+    p.add_argument("--episodes", type=int, default=3, help="timed episodes after one untimed (default 3)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", choices=("lower", "bench"), default=None,
+                   help="lower: build, export and lower only; bench: time an already-lowered run only")
+    p.add_argument("--backend", choices=("artifact", "eager"), default="artifact",
+                   help="the runner's backend (eager: the rewritten programs, for a CPU check of this script)")
+    p.add_argument("--no-compile", action="store_true", help="skip the LeRobot torch.compile candidate")
+    p.add_argument("--tiny", action="store_true", help="the tiny recipes instead (checks this script)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.chunks < 3:
+        raise SystemExit("--chunks must be >= 3: chunks 2..N are timed and the first two set the chunk length")
+    out = args.out.expanduser().resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python scripts/bench_chunk.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    results: Dict[str, Any] = {"command": command, "environment": bench.environment(args.device),
+                               "settings": {"chunks": args.chunks, "episodes": args.episodes, "seed": args.seed,
+                                            "backend": args.backend, "tiny": args.tiny},
+                               "targets": TARGETS, "policies": []}
+    for family in args.policies:
+        bench_policy(family, args, out, results)
+        write(results, out)
+    print(format_table(table_rows(results)))
+    failed = [r["policy"] for r in results["policies"] if r.get("status") not in ("done", "lowered")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

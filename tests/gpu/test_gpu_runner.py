@@ -1,0 +1,76 @@
+"""On a CUDA machine: the policy check with the **artifact** backend, at tiny size. zoo.runner drives each tiny
+run's shipped ``.so`` files through torch's AOTI runner against LeRobot's own policy, eager, on the same GPU,
+over 3 action chunks of seeded synthetic observations: the very check ``zoo.policy_check`` runs as the
+pipeline's ``policy_check_gpu`` stage after verification.
+
+Run folders: ``ZOO_GPU_RUNS=/path/runs`` reuses already-lowered ones (``/path/runs/<recipe>``, e.g. what
+``python -m zoo.export fast-wam-tiny --output-dir /path/runs/fast-wam-tiny`` left on this GPU machine; for the
+bf16 case ``/path/runs/<recipe>-bf16``, exported with ``unit.dtype=bfloat16``), so a GPU session does not lower
+the tiny recipes twice. A recipe whose folder is not there is exported and lowered here, into a temporary folder.
+
+* float32 units: per chunk relative L2 <= ``policy_check.tolerance.gpu_float32`` (1e-4) under full float32 (no
+  TF32). Verification measured 2e-7 to 3e-6 per method call; a chunk is 10 (Fast-WAM) or 74 (LingBot-VA) calls,
+  each fed the previous one's output, so the per-call error may grow along the chunk; the table printed shows it.
+* bf16 units (zoo's bf16 rule, per chunk): the artifact's distance from LeRobot float32 is at most 1.25 x
+  LeRobot bf16's own distance from it, with cosine >= 0.99.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.policies,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+pytest.importorskip("lerobot")
+
+from zoo import pipeline  # noqa: E402
+from zoo.policy_check import check_run, checkpoint_in_reach  # noqa: E402
+from zoo.recipes import load_recipe  # noqa: E402
+from zoo.run_folder import RunFolder  # noqa: E402
+
+from runner_helpers import export_run  # noqa: E402
+
+RECIPES = ("fast-wam-tiny", "lingbot-va-tiny")
+BF16 = ["unit.dtype=bfloat16"]
+
+
+def lowered_run(name: str, overrides, tmp_path: Path):
+    """(recipe, run folder): from ZOO_GPU_RUNS when it holds a lowered run of this recipe, else made here."""
+    folder = name + ("-bf16" if overrides else "")
+    given = os.environ.get("ZOO_GPU_RUNS")
+    if given and RunFolder(Path(given) / folder).pte.is_file():
+        run = RunFolder(Path(given) / folder)
+        recipe = run.load_recipe()
+        assert recipe.name == name and recipe.unit.dtype == ("bfloat16" if overrides else "float32"), run.path
+        return recipe, run
+    recipe = load_recipe(name, list(overrides))
+    run = RunFolder(tmp_path / folder)
+    export_run(recipe, run.path)
+    report = pipeline.lower_run(run.path)
+    assert report.get("status") == "verified", report.get("error")
+    return recipe, run
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_artifact_runner_matches_lerobot_float32(name, tmp_path):
+    recipe, run = lowered_run(name, (), tmp_path)
+    with checkpoint_in_reach(recipe) as checkpoint:
+        result = check_run(run, recipe, checkpoint, backend="artifact", device="cuda")
+    print(result.table())
+    assert result.rule == "float32" and len(result.rows) == recipe.policy_check.chunks + 1
+    assert result.ok, result.table()
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_artifact_runner_bf16_rule(name, tmp_path):
+    recipe, run = lowered_run(name, BF16, tmp_path)
+    with checkpoint_in_reach(recipe) as checkpoint:
+        result = check_run(run, recipe, checkpoint, backend="artifact", device="cuda")
+    print(result.table())
+    assert result.rule == "bf16" and all(r.eager_rel_l2 is not None for r in result.rows)
+    assert result.ok, result.table()

@@ -1,0 +1,129 @@
+"""The policy check for lingbot-va-tiny on the CPU: zoo.runner (eager backend: the rewritten video_step,
+action_step and streaming VAE programs, no lerobot) against LeRobot's own ``LingBotVAPolicy`` from the same
+checkpoint, driven as a LeRobot control loop drives it, over 3 chunks (12, 16 and 16 actions) and one more
+step: the keyframe buffering, the KV feedback of observed frames and executed actions, slot reuse and (in the
+third chunk) eviction, CFG and both schedulers. Both episodes draw their noise from the global generator
+after the same ``torch.manual_seed``.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("lerobot")
+
+from zoo.errors import PolicyCheckFailed  # noqa: E402
+from zoo.policy_check import policy_check_step  # noqa: E402
+from zoo.recipes import load_recipe  # noqa: E402
+from zoo.report import RunReport  # noqa: E402
+from zoo.run_folder import RunFolder  # noqa: E402
+from zoo.runner import PromptEmbedding, RunnerError, load  # noqa: E402
+from zoo.runner.check import ProcessedPolicy, compare_episode, run_episode  # noqa: E402
+from zoo.tiny_hub import fabricated_hub  # noqa: E402
+
+from runner_helpers import export_run  # noqa: E402
+
+lingbot_va = pytest.importorskip("zoo.policies.lingbot_va")
+
+pytestmark = pytest.mark.policies
+
+TINY = "lingbot-va-tiny"
+TASK = "pick up the bowl"
+STEPS = 12 + 16 + 16 + 1  # three chunks and the first action of a fourth
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return load_recipe(TINY)
+
+
+@pytest.fixture(scope="module")
+def run(recipe, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("lb-run")
+    return run_dir, export_run(recipe, run_dir)
+
+
+@pytest.fixture(scope="module")
+def lerobot(recipe, run):
+    with fabricated_hub(recipe):
+        return lingbot_va.lerobot_policy(run[1], recipe)
+
+
+@pytest.fixture(scope="module")
+def prompt_file(lerobot, tmp_path_factory):
+    return lingbot_va.embed_prompt(lerobot[0], TASK).save(tmp_path_factory.mktemp("prompt") / "task.safetensors")
+
+
+@pytest.fixture(scope="module")
+def observations():
+    g = torch.Generator().manual_seed(123)
+    return [{"observation.images.image": torch.rand(3, 64, 64, generator=g),
+             "observation.images.image2": torch.rand(3, 64, 64, generator=g), "task": TASK} for _ in range(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def expected(lerobot, observations):
+    return run_episode(ProcessedPolicy(*lerobot), observations, seed=0)
+
+
+def runner_for(run_dir, prompt_file):
+    runner = load(run_dir)
+    runner.load_prompt(prompt_file)
+    return runner
+
+
+def test_policy_check_three_chunks(run, prompt_file, observations, expected):
+    result = compare_episode(runner_for(run[0], prompt_file), expected, observations, seed=0)
+    assert [(r.chunk, r.steps) for r in result.rows] == [(1, 12), (2, 16), (3, 16), (4, 1)], result.table()
+    assert result.ok, result.table()
+    # Not a constant: the chunks differ (new noise, new observations fed back).
+    first, second = torch.stack(expected[:12]), torch.stack(expected[12:24])
+    assert float((first - second).norm() / first.norm()) > 1e-2
+
+
+def broken_run(run_dir, dest):
+    """A copy of the run with one video sigma of host_settings.json off by 1%."""
+    shutil.copytree(run_dir, dest)
+    settings = RunFolder(dest).read_host_settings()
+    settings["scheduler"]["video"]["sigmas"][5] *= 1.01
+    RunFolder(dest).write_host_settings(settings)
+    return dest
+
+
+def test_perturbed_video_schedule_is_caught(run, prompt_file, observations, expected, tmp_path):
+    broken = broken_run(run[0], tmp_path / "broken")
+    result = compare_episode(runner_for(broken, prompt_file), expected[:12], observations[:12], seed=0, min_chunks=1)
+    assert not result.ok and result.rows[0].rel_l2 > 1e-5, result.table()
+
+
+def test_policy_check_stage_fails_on_a_perturbed_video_schedule(recipe, run, tmp_path):
+    """The pipeline's own stage over 3 chunks of seeded synthetic observations: a 1% error in one sigma fails it
+    with a table; the same stage on the run as exported passes (test_policy_check_three_chunks is the same
+    comparison on hand-made observations)."""
+    broken = broken_run(run[0], tmp_path / "broken")
+    report = RunReport(broken, recipe.to_dict())
+    with fabricated_hub(recipe), pytest.raises(PolicyCheckFailed) as info:
+        policy_check_step(RunFolder(broken), recipe, report, where="cpu", checkpoint=run[1])
+    assert "FAIL: relative L2" in info.value.message
+    rows = report.get("policy_check")["cpu"]["rows"]
+    assert [r["steps"] for r in rows] == [12, 16, 16, 1] and not rows[0]["ok"]
+
+
+def test_missing_camera_is_refused(run, prompt_file, observations):
+    runner = runner_for(run[0], prompt_file)
+    obs = dict(observations[0])
+    del obs["observation.images.image2"]
+    with pytest.raises(RunnerError, match="observation.images.image2"):
+        runner.select_action(obs)
+
+
+def test_prompt_without_negative_is_refused_under_cfg(run, prompt_file, observations, tmp_path):
+    prompt = PromptEmbedding.load(prompt_file)
+    del prompt.tensors["negative_prompt_embeds"]
+    runner = load(run[0])
+    runner.load_prompt(prompt.save(tmp_path / "no-negative.safetensors"))
+    with pytest.raises(RunnerError, match="negative"):
+        runner.select_action(observations[0])

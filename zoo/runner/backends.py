@@ -1,0 +1,150 @@
+"""What runs a method of the artifact: the rewritten program eagerly, or the shipped ``.so`` + weights.
+
+Both take and return tensors by name, in the method's signature order from ``io_spec.json``, so the family
+runners never see which one they drive:
+
+  ``eager``     ``rewritten.<method>.pt2`` (what gets lowered) run by PyTorch, on the CPU or a GPU;
+  ``artifact``  each method's ``.so`` and weights blob taken out of ``model.pte`` / ``aoti_cuda_blob.ptd`` as they
+                are on disk, run through torch's AOTI runner on the GPU in the ``.so``'s own input order, exactly
+                as verification runs them (zoo.verify).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+from torch.export.passes import move_to_device_pass
+from torch.utils import _pytree as pytree
+
+from ..aoti_runner import AotiRunner
+from ..artifact import extract_method_files
+from ..errors import RunnerError
+from ..run_folder import RunFolder
+from ..verify import run_in_delegate_order
+
+BACKENDS = ("eager", "artifact")
+
+
+class Backend:
+    """Runs methods by name: ``call(method, **inputs) -> {output name: tensor}``."""
+
+    name = "?"
+
+    def __init__(self, run: RunFolder, device: str):
+        self.run = run
+        self.device = torch.device(device)
+        self.io_spec: Dict[str, Any] = run.read_io_spec()
+
+    def methods(self) -> List[str]:
+        return list(self.io_spec.get("methods", {}))
+
+    def method_io(self, method: str) -> Dict[str, Any]:
+        methods = self.io_spec.get("methods", {})
+        if method not in methods:
+            raise RunnerError(f"the run in {self.run.path} has no method {method!r} (it has "
+                              f"{', '.join(methods) or 'none'})", "export the recipe with that method in unit.methods")
+        return methods[method]
+
+    def call(self, method: str, **inputs: torch.Tensor) -> Dict[str, torch.Tensor]:
+        io = self.method_io(method)
+        names = [spec["name"] for spec in io["inputs"]]
+        missing = [n for n in names if n not in inputs]
+        extra = sorted(set(inputs) - set(names))
+        if missing or extra:
+            raise RunnerError(f"method {method!r} takes {names}; missing {missing}, unexpected {extra}",
+                              "this is a zoo.runner bug: the family runner and io_spec.json disagree")
+        args = [inputs[n].to(self.device) for n in names]
+        outs = self._run(method, args)
+        if len(outs) != len(io["outputs"]):
+            raise RunnerError(f"method {method!r} returned {len(outs)} outputs, io_spec.json names "
+                              f"{len(io['outputs'])}", "export and lower the run again")
+        return dict(zip(io["outputs"], outs))
+
+    def _run(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class EagerBackend(Backend):
+    """The rewritten programs, run by PyTorch on ``device``; each is loaded on first use."""
+
+    name = "eager"
+
+    def __init__(self, run: RunFolder, device: str):
+        super().__init__(run, device)
+        self._modules: Dict[str, torch.nn.Module] = {}
+
+    def _module(self, method: str) -> torch.nn.Module:
+        if method not in self._modules:
+            path = self.run.program("rewritten", method)
+            if not path.is_file():
+                raise RunnerError(f"{path} is missing: the eager backend runs the rewritten programs",
+                                  "use a run folder from `python -m zoo.export`, or backend='artifact' for a "
+                                  "published artifact")
+            program = self.run.load_program("rewritten", method)
+            if self.device.type != "cpu":
+                program = move_to_device_pass(program, str(self.device))
+            self._modules[method] = program.module()
+        return self._modules[method]
+
+    def _run(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
+        with torch.no_grad():
+            out = self._module(method)(*args)
+        return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+
+class ArtifactBackend(Backend):
+    """Each method's shipped ``.so`` and weights through torch's AOTI runner (needs a CUDA device)."""
+
+    name = "artifact"
+
+    def __init__(self, run: RunFolder, device: str, methods: Sequence[str]):
+        self._dir: Optional[Path] = None
+        self._runners: Dict[str, AotiRunner] = {}
+        if not str(device).startswith("cuda"):
+            raise RunnerError(f"backend 'artifact' runs the compiled CUDA kernels; device {device!r} cannot",
+                              "pass device='cuda' (on a machine with a GPU), or use backend='eager'")
+        super().__init__(run, device)
+        if not run.pte.is_file():
+            raise RunnerError(f"{run.pte} is missing: the run was not lowered",
+                              "lower it on a GPU machine (`python -m zoo.lower RUN_DIR`), or use backend='eager'")
+        missing = [str(run.io_order_file(m)) for m in methods if not run.io_order_file(m).is_file()]
+        if missing:
+            raise RunnerError(f"{', '.join(missing)} missing: the compiled .so's input order is unknown",
+                              "lower the run (`python -m zoo.lower RUN_DIR`) or download the whole published folder")
+        self._orders = {m: run.io_order(m) for m in methods}
+        # The bytes that ship, taken out of model.pte / aoti_cuda_blob.ptd now (not copies left by lowering),
+        # into a private temporary folder: a run may be a read-only Hub snapshot.
+        self._dir = Path(tempfile.mkdtemp(prefix="zoo-runner-so-"))
+        shipped = extract_method_files(run.pte, run.ptd if run.ptd.is_file() else None, self._dir)
+        for m in methods:
+            if m not in shipped:
+                raise RunnerError(f"{run.pte} holds no compiled .so for method {m!r}",
+                                  "lower the run again (`python -m zoo.lower RUN_DIR`)")
+            self._runners[m] = AotiRunner(shipped[m]["so"], shipped[m]["weights"], str(self.device))
+
+    def _run(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
+        return run_in_delegate_order(self._runners[method], self._orders[method], args)
+
+    def close(self) -> None:
+        self._runners = {}
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __del__(self):  # the extracted .so files are only a cache of model.pte's bytes
+        self.close()
+
+
+def make_backend(name: str, run: RunFolder, device: str) -> Backend:
+    if name == "eager":
+        return EagerBackend(run, device)
+    if name == "artifact":
+        return ArtifactBackend(run, device, list(run.read_io_spec().get("methods", {})))
+    raise RunnerError(f"unknown runner backend {name!r}", f"use one of: {', '.join(BACKENDS)}")

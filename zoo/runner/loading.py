@@ -1,0 +1,68 @@
+"""``zoo.runner.load``: a run folder (or a published Hub repo) to the family's runner over a backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Type, Union
+
+from ..errors import RunnerError
+from ..run_folder import RunFolder
+from .backends import BACKENDS, make_backend
+from .base import PolicyRunner
+from .fast_wam import FastWAMRunner
+from .lingbot_va import LingBotVARunner
+
+# policy_type (host_settings.json) -> its host loop.
+RUNNERS: Dict[str, Type[PolicyRunner]] = {r.policy_type: r for r in (FastWAMRunner, LingBotVARunner)}
+
+__all__ = ["BACKENDS", "RUNNERS", "load", "resolve", "runner_families"]
+
+
+def runner_families() -> List[str]:
+    """The zoo families the runner has a host loop for (``zoo.policies`` names)."""
+    return sorted(r.family for r in RUNNERS.values())
+
+
+def resolve(source: Union[str, Path, RunFolder]) -> RunFolder:
+    """A run folder as given, or a Hub repo id downloaded (the user's cache, ``HF_HUB_OFFLINE`` honoured)."""
+    if isinstance(source, RunFolder):
+        return source
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise RunnerError(f"{path} is a file, not a run folder",
+                              "pass the folder `python -m zoo.export` wrote, or a published repo id")
+        return RunFolder(path)
+    text = str(source)
+    if text.count("/") == 1 and not text.startswith((".", "/", "~")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return RunFolder(snapshot_download(text))
+        except Exception as exc:  # network, auth, offline-and-not-cached: all mean "not available here"
+            raise RunnerError(f"cannot get {text!r} from the Hugging Face Hub: {type(exc).__name__}: {exc}",
+                              "check the repo id and the network, or pass a local run folder") from None
+    raise RunnerError(f"{source} is neither a folder nor a Hub repo id (ORG/NAME)",
+                      "pass a run folder written by `python -m zoo.export`, or a published repo id")
+
+
+def load(source: Union[str, Path, RunFolder], backend: str = "eager", device: Optional[str] = None,
+         processors: bool = True) -> PolicyRunner:
+    """The runner of a run folder or published artifact.
+
+    ``backend``: ``"eager"`` runs the rewritten programs (``rewritten.<method>.pt2``) with PyTorch, on the CPU by
+    default or on ``device``; ``"artifact"`` runs each method's shipped ``.so`` and weights (taken out of
+    ``model.pte`` / ``aoti_cuda_blob.ptd``) through torch's AOTI runner, on ``cuda`` by default.
+    ``processors=False`` leaves the run's normalisation processors to the caller (``runner.preprocessor``,
+    ``runner.postprocessor``), as LeRobot's own loop applies them around a policy.
+    """
+    run = resolve(source)
+    settings = run.read_host_settings()
+    kind = settings.get("policy_type")
+    if kind not in RUNNERS:
+        known = ", ".join(sorted(RUNNERS))
+        raise RunnerError(f"zoo.runner has no host loop for the policy in {run.path} (policy_type {kind!r})",
+                          f"the runner drives these policy types: {known}" if kind else
+                          "the run names no policy_type in host_settings.json: export it again with this zoo")
+    device = device or ("cuda" if backend == "artifact" else "cpu")
+    return RUNNERS[kind](run, make_backend(backend, run, device), processors=processors)

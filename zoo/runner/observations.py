@@ -1,0 +1,93 @@
+"""Observations for the runner: the file ``python -m zoo act`` reads, and the seeded synthetic sequence the
+policy check drives both the runner and LeRobot's policy with.
+
+The observation file is **safetensors**: one tensor per key of LeRobot's observation batch, under LeRobot's own
+key (``observation.images.image``, ``observation.state``, ...), as a LeRobot environment hands them to the
+preprocessor (images float32 ``[3, H, W]`` in [0, 1], state float32 ``[D]``; a leading batch dim of 1 is also
+accepted, the preprocessor adds one when missing), and the task text in the file's metadata. Why safetensors and
+not a pickled ``.pt``: loading it runs no code (a robot host may load files it did not write), any language
+writes it (the format is a JSON header and raw little-endian bytes), and the keys stay LeRobot's strings.
+
+The synthetic sequence is drawn from what the policy declares it reads (``observation_features`` in
+``host_settings.json``, the checkpoint's ``config.input_features``): per step, in sorted key order, a VISUAL
+feature is ``torch.rand(shape)`` (pixels in [0, 1]) and every other feature ``torch.randn(shape)``, all float32
+from one ``torch.Generator`` seeded with the policy check's seed; every step carries the same task text.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Union
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .. import atomic
+from ..errors import RunnerError
+
+FORMAT = "zoo-observation-1"
+TASK = "task"
+
+Batch = Dict[str, Any]
+
+
+def observation_features(settings: Mapping[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """``{key: {"type": "VISUAL"|"STATE"|..., "shape": [...]}}``: what the policy reads, from host_settings."""
+    features = settings.get("observation_features")
+    if not features:
+        raise RunnerError("host_settings.json names no observation_features (the policy's input features)",
+                          "export the run again with this zoo")
+    return {k: dict(v) for k, v in sorted(features.items())}
+
+
+def synthetic_observations(settings: Mapping[str, Any], count: int, seed: int, task: str) -> List[Batch]:
+    """``count`` seeded observations shaped as the policy's input features (see the module's docstring)."""
+    features = observation_features(settings)
+    g = torch.Generator().manual_seed(int(seed))
+    steps = []
+    for _ in range(count):
+        obs: Batch = {}
+        for key, feature in features.items():
+            shape = [int(s) for s in feature["shape"]]
+            draw = torch.rand if feature.get("type") == "VISUAL" else torch.randn
+            obs[key] = draw(shape, generator=g, dtype=torch.float32)
+        obs[TASK] = task
+        steps.append(obs)
+    return steps
+
+
+def save_observation(batch: Mapping[str, Any], path: Union[str, Path]) -> Path:
+    """Write one observation batch as an observation file (tensors by key, the task in the metadata)."""
+    tensors = {k: v.detach().contiguous().cpu() for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    task = batch.get(TASK)
+    if isinstance(task, (list, tuple)):
+        task = task[0] if task else None
+    meta = {"format": FORMAT, TASK: task}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic.atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"zoo": json.dumps(meta)})
+    return path
+
+
+def load_observation(path: Union[str, Path]) -> Batch:
+    """An observation file as LeRobot's batch dict (``task`` from the metadata, when the file has one)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RunnerError(f"observation file {path} does not exist",
+                          "write one with `python -m zoo act RUN_DIR --example-observation FILE` and edit it, or "
+                          "save your robot's observation with zoo.runner.observations.save_observation")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("zoo", "{}"))
+            batch: Batch = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types for a damaged header
+        raise RunnerError(f"{path} is not a safetensors observation file: {exc}",
+                          "observation files are safetensors: LeRobot's batch keys, the task in the metadata") from None
+    if meta.get("format") not in (None, FORMAT):
+        raise RunnerError(f"{path} has format {meta.get('format')!r}, not {FORMAT!r}", "write it with this zoo")
+    if meta.get(TASK) is not None:
+        batch[TASK] = meta[TASK]
+    return batch
