@@ -68,6 +68,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2
 
 
+METHODS_WIDTH = 32  # "vae_encode_first, vae_encode," fits on one line
+
+
 def list_recipes(pattern: Optional[str] = None, out=None) -> int:
     out = out or sys.stdout
     names = recipe_names(pattern=pattern)
@@ -81,10 +84,13 @@ def list_recipes(pattern: Optional[str] = None, out=None) -> int:
             rows.append([s["name"], s["family"], s["hub"], s["methods"], s["dtype"], s["notes"]])
         except ZooError as exc:  # one broken recipe file must not hide the others
             rows.append([name, "?", "?", "?", "?", f"BROKEN: {exc.message}"])
-    # The notes wrap onto further lines within the terminal's width (at least 30 columns), never cut.
-    used = sum(max(len(r[i]) for r in rows) + 2 for i in range(len(rows[0]) - 1))
-    width = max(30, shutil.get_terminal_size((120, 24)).columns - used)
-    print(format_table(rows, wrap={len(rows[0]) - 1: width}), file=out)
+    # A long methods list wraps at METHODS_WIDTH; the notes wrap onto further lines within the terminal's width
+    # (at least 30 columns). Nothing is cut.
+    methods, notes = 3, len(rows[0]) - 1
+    widths = [max(len(r[i]) for r in rows) for i in range(notes)]
+    widths[methods] = min(widths[methods], METHODS_WIDTH)
+    width = max(30, shutil.get_terminal_size((120, 24)).columns - sum(w + 2 for w in widths))
+    print(format_table(rows, wrap={methods: METHODS_WIDTH, notes: width}), file=out)
     return 0
 
 
