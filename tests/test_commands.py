@@ -17,7 +17,7 @@ from zoo.recipes import load_recipe, recipe_names
 from zoo.report import RunReport
 from zoo.run_folder import RunFolder
 
-COMMANDS = ["export", "lower", "audit", "publish", "bench", "bundle", "doctor"]
+COMMANDS = ["export", "lower", "audit", "publish", "bench", "bundle", "doctor", "prompt", "act"]
 
 
 @pytest.mark.parametrize("command", COMMANDS + ["list", None])
@@ -32,6 +32,8 @@ def test_every_command_documents_its_exit_codes(command, capsys):
     assert "0" in codes and "2" in codes, out
     if command in ("export", "lower"):  # the commands that write a run folder
         assert {"3", "4", "130"} <= set(codes) and "attempts/" in out
+        # verification's runtimes: exit 3 covers the ExecuTorch runtime failing where the audit said it can
+        assert "--runtime" in out and "--et-runner" in out and "ExecuTorch's runtime" in out
 
 
 def finished_cpu_run(folder: Path, name: str = "toy") -> Path:
