@@ -117,7 +117,8 @@ def file_cases() -> List[Case]:
         Case("verify", "", "truncated exported.forward.pt2", 2, ("exported.forward.pt2 cannot be read",)),
         Case("audit", "", "truncated model.pte", 2, ("model.pte is not a readable ExecuTorch program",)),
         Case("audit", "", "corrupt model.pte", 2, ("is not an ELF shared library",)),
-        Case("audit", "", "truncated aoti_cuda_blob.ptd", 0, ()),  # the audit reads the .so only
+        # The audit reads the .ptd's index too (what each runtime does with the weights): a damaged one is named.
+        Case("audit", "", "truncated aoti_cuda_blob.ptd", 2, ("aoti_cuda_blob.ptd",)),
         Case("audit-so", "", "truncated so/forward.so", 2, ("is not an ELF shared library",)),
         Case("publish", "", "truncated model.pte", 2, ("model.pte: sha256",)),
         Case("publish", "", "truncated aoti_cuda_blob.ptd", 2, ("aoti_cuda_blob.ptd: sha256",)),
