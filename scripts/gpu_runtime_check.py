@@ -61,7 +61,7 @@ def verify_both(run: RunFolder, recipe, runner: Path) -> Dict[str, Any]:
 
 
 def verification_from_report(run: RunFolder) -> Dict[str, Any]:
-    report = json.loads((run.path / "report.json").read_text())
+    report = json.loads(run.report_json.read_text())
     if "verification" not in report:
         raise ZooError(f"{run.path}/report.json has no verification (the run failed or was not verified)",
                        "run it again without --from-report, or export it again with --runtime both")
@@ -115,7 +115,7 @@ def latency(run: RunFolder, recipe, method: str, runner: Path, work: Path, warmu
 
     so, weights = run.so_file(method), run.weights_file(method)
     if not so.exists():  # the shipped ones, out of the .pte/.ptd, as verification does
-        shipped = extract_method_files(run.pte, run.ptd, work / "so", methods=[method])[method]
+        shipped = extract_method_files(run.pte, run.ptd, work / "shipped", methods=[method])[method]
         so, weights = shipped["so"], shipped["weights"]
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

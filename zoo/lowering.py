@@ -54,7 +54,15 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 from torch.export import ExportedProgram
 
-from .artifact import PTD_NAME, PTE_NAME, SO_SUFFIX, WEIGHTS_SUFFIX, ensure_flatc, extract_method_files
+from .artifact import (
+    PTD_NAME,
+    PTE_NAME,
+    SO_SUFFIX,
+    WEIGHTS_SUFFIX,
+    ensure_flatc,
+    extract_method_files,
+    weights_file_name,
+)
 from .assemble import assemble_program
 from .constant_plan import ConstantPlan, inductor_follows_plan, plan_constants, plan_values
 from .environ import environ_restored
@@ -495,7 +503,7 @@ def _program_files(programs: Mapping[str, Union[ExportedProgram, Path]], folder:
     for method, program in programs.items():
         if isinstance(program, ExportedProgram):
             folder.mkdir(parents=True, exist_ok=True)
-            files[method] = folder / f"{method}.pt2"
+            files[method] = RunFolder(folder).program("rewritten", method)  # a scratch folder, run-folder names
             torch.export.save(program, str(files[method]))
             saved.append(files[method])
         else:
@@ -540,7 +548,7 @@ def _assemble(parts: Mapping[str, MethodPart], run: RunFolder, stage_seconds: Di
             output_order=order["output_order"], mutable_buffers=order.get("mutable_buffers", {}),
             seconds=round(part.seconds, 3), stage_seconds=dict(part.record.get("seconds", {})),
             constants=dict(part.record.get("constants", {})),
-            shares_weights_with=(entry["shares_weights_with"] or "").replace(".weights.blob", "") or None)
+            shares_weights_with=(entry["shares_weights_with"] or "").removesuffix(weights_file_name("")) or None)
     summary = assembled.data_files.get(PTD_NAME)
     return methods, summary.as_dict() if summary is not None else None
 
