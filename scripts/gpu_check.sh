@@ -74,7 +74,7 @@ print("rewrites=[" + ",".join(rewrites) + "]")' "$recipe")
 done
 args=()
 for entry in "${RECIPES[@]}"; do args+=("$RUNS/$entry"); done
-"$PY" -m zoo doctor --runs "${args[@]}"
+"$PY" -m zoo doctor --require-verified "${args[@]}"
 rc=$?
 if [ -n "$ET_RUNNER" ]; then
   echo "[gpu_check] ===== both runtimes, side by side (from each run's report.json), and the KV pool sequence =====" >&2

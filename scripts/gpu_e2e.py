@@ -52,7 +52,10 @@ def _run(name: str, cmd: List[str], log: Path, timeout: int, run_dir: Path) -> D
 
 
 def summarise(run_dir: Path) -> Dict:
+    """The latest word on a run: its own report, or the report of a newer attempt kept beside it (a re-run that
+    failed leaves the earlier run in place and its own report in attempts/)."""
     run = RunFolder(run_dir)
+    run = run.latest_attempt() or run
     if not run.is_run():
         return {"stages": {}, "verdict": "no report"}
     data = run.read_report().data

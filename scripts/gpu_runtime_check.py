@@ -115,7 +115,7 @@ def latency(run: RunFolder, recipe, method: str, runner: Path, work: Path, warmu
 
     so, weights = run.so_file(method), run.weights_file(method)
     if not so.exists():  # the shipped ones, out of the .pte/.ptd, as verification does
-        shipped = extract_method_files(run.pte, run.ptd, work / "so", methods=[method])[method]
+        shipped = extract_method_files(run.pte, run.ptd, work / "shipped", methods=[method])[method]
         so, weights = shipped["so"], shipped["weights"]
     torch.cuda.synchronize()
     torch.cuda.empty_cache()

@@ -41,10 +41,11 @@ rm -rf "$VENV"
 "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 echo "[zoo setup] installing zoo[policies,test]: torch 2.11 (a CUDA build, about 3 GB), executorch 1.2.0," \
-     "lerobot 0.6.1 ... (log: $VENV/install.log)" >&2
-if ! "$VENV/bin/python" -m pip install -e ".[policies,test]" >"$VENV/install.log" 2>&1; then
-  tail -30 "$VENV/install.log" >&2
-  echo "[zoo setup] install failed; the full log is $VENV/install.log" >&2
+     "lerobot 0.6.1 ... (pip's progress below; also in $VENV/install.log)" >&2
+# pip's own output (a progress bar per download on a terminal, one line per file in a log) goes to the
+# terminal and to install.log; pipefail makes pip's exit status the pipeline's.
+if ! "$VENV/bin/python" -m pip install --progress-bar on -e ".[policies,test]" 2>&1 | tee "$VENV/install.log" >&2; then
+  echo "[zoo setup] install failed (the last lines above say why); the full log is $VENV/install.log" >&2
   exit 2
 fi
 echo "$WANT" >"$STAMP"

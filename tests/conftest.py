@@ -18,13 +18,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Dict
 
 import pytest
 
-_SANDBOX = Path(tempfile.mkdtemp(prefix="zoo-tests-"))
+# A subprocess that imports this module (tests/faults/inject.py) shares the session's sandbox.
+_OWN_SANDBOX = "ZOO_TEST_SANDBOX" not in os.environ
+_SANDBOX = Path(tempfile.mkdtemp(prefix="zoo-tests-") if _OWN_SANDBOX else os.environ["ZOO_TEST_SANDBOX"])
+os.environ["ZOO_TEST_SANDBOX"] = str(_SANDBOX)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_CACHE"] = str(_SANDBOX / "hf-cache")
 os.environ["ZOO_TINY_HUB_CACHE"] = str(_SANDBOX / "tiny-hub")
@@ -45,8 +49,23 @@ zoo.policies.__path__.append(str(TEST_FAMILIES))
 TOY_MODEL_TYPE = "zoo_toy"
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The fault-injection table (tests/test_faults.py) at the end of the session, and as JSON lines where
+    ZOO_FAULT_TABLE names a file (scripts/fault_table.py)."""
+    outcomes = getattr(sys.modules.get("test_faults"), "OUTCOMES", None)
+    if not outcomes:
+        return
+    import fault_injection
+
+    terminalreporter.write_sep("=", f"fault injection: {len(outcomes)} cases")
+    terminalreporter.write_line(fault_injection.markdown_table(outcomes))
+    if os.environ.get("ZOO_FAULT_TABLE"):
+        fault_injection.write_table_rows(Path(os.environ["ZOO_FAULT_TABLE"]), outcomes)
+
+
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(_SANDBOX, ignore_errors=True)
+    if _OWN_SANDBOX:
+        shutil.rmtree(_SANDBOX, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -157,6 +176,15 @@ class ToyFamily:
         return {recipe.source.repo_id: folder, "toy-org/toy-aux": aux}
 
     @staticmethod
+    def check_recipe(recipe) -> None:
+        from zoo.errors import RecipeError
+
+        methods = ["forward"] if recipe.unit.options.kind == "rope" else ["write", "read"]
+        if list(recipe.unit.methods) != methods:
+            raise RecipeError(f"recipe {recipe.name!r}: unit.methods={list(recipe.unit.methods)}; a toy "
+                              f"{recipe.unit.options.kind} unit has {methods}", f"set unit.methods: {methods}")
+
+    @staticmethod
     def build_unit(checkpoint_dir: Path, recipe) -> ExportUnit:
         from safetensors import SafetensorError
         from safetensors.torch import load_file
@@ -239,3 +267,43 @@ def fake_zoo_runner(tmp_path_factory) -> Path:
     path.write_text(f"#!/bin/sh\nPYTHONPATH='{os.pathsep.join(sys.path)}' exec {sys.executable} {FAKE_ZOO_RUNNER} \"$@\"\n")
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return path
+
+
+# A fresh clone, as the README's commands expect one (tests/test_readme.py, tests/test_cli.py)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CLONE_ENTRIES = ("zoo", "recipes", "scripts", "pyproject.toml", "README.md")
+
+
+@pytest.fixture(scope="session")
+def readme_clone(tmp_path_factory) -> Path:
+    """A folder laid out like a fresh clone after ``scripts/setup.sh``: the repository's files (linked) and
+    ``.venv`` (the venv running these tests). Commands run in it exactly as the README writes them."""
+    import sys as _sys
+
+    clone = tmp_path_factory.mktemp("clone")
+    for name in CLONE_ENTRIES:
+        (clone / name).symlink_to(REPO_ROOT / name)
+    venv = REPO_ROOT / ".venv" if (REPO_ROOT / ".venv" / "bin" / "activate").exists() else Path(_sys.prefix)
+    (clone / ".venv").symlink_to(venv)
+    return clone
+
+
+def run_in_clone(clone: Path, command: str, activate: bool, timeout: int = 900):
+    """Run a README command in ``clone`` with bash (after ``source .venv/bin/activate`` when the README says
+    the venv is active)."""
+    import subprocess
+
+    script = ("source .venv/bin/activate && " if activate else "") + command
+    env = dict(os.environ, PYTHONPATH=str(clone))  # `zoo` is the clone's, whatever the venv has installed
+    return subprocess.run(["bash", "-c", script], cwd=clone, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+@pytest.fixture(scope="session")
+def llama_tiny_readme_run(readme_clone):
+    """The README's main job, run once per session as written: ``.venv/bin/python -m zoo.export llama-rope-tiny``
+    (tests/test_readme.py runs the README's commands, tests/test_cli.py checks the run it leaves)."""
+    pytest.importorskip("transformers")
+    proc = run_in_clone(readme_clone, ".venv/bin/python -m zoo.export llama-rope-tiny", activate=False)
+    return proc, readme_clone / "runs" / "llama-rope-tiny"

@@ -1,5 +1,5 @@
-"""The benchmark harness on the CPU: statistics against hand-worked values, timing with known sleeps and a
-virtual clock driven by known work, input rotation, warm-up exclusion, target judgements, rendering, the
+"""The benchmark harness on the CPU: statistics against hand-worked values, timing on clocks that known work
+advances (no test depends on the wall clock), input rotation, warm-up exclusion, target judgements, rendering, the
 rotary microbenchmark's maths, and ``python -m zoo bench`` on a small saved run folder. No test here times
 the artifact; the GPU tests at the end only run where CUDA is present."""
 
@@ -11,6 +11,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -124,14 +125,29 @@ def test_measure_rejects_bad_counts():
         measure(lambda _: None, [], warmup=0, runs=3, timer=PerfCounterTimer())
 
 
-def test_real_timer_on_known_sleeps():
-    timer = PerfCounterTimer()
-    short = measure(lambda _: time.sleep(0.002), [None], warmup=1, runs=15, timer=timer)
-    long = measure(lambda _: time.sleep(0.006), [None], warmup=1, runs=15, timer=timer)
-    # A sleep never returns early; the scheduler's wake-up adds well under 10% at 2 ms.
-    assert 2.0 <= short.median <= 2.2
-    assert 6.0 <= long.median <= 6.4
-    assert long.median / short.median == pytest.approx(3.0, rel=0.08)
+class SleepClock:
+    """A clock in seconds that only a sleep moves: ``sleep(s)`` advances it by exactly ``s``."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_host_timer_turns_clock_seconds_into_milliseconds_per_call():
+    # Deterministic (no timed unit tests): the host timer reads a clock that known sleeps advance.
+    clock = SleepClock()
+    timer = PerfCounterTimer(clock)
+    short = measure(lambda _: clock.sleep(0.002), [None], warmup=1, runs=15, timer=timer)
+    long = measure(lambda _: clock.sleep(0.006), [None], warmup=1, runs=15, timer=timer)
+    assert short.median == pytest.approx(2.0) and short.n == 15 and short.stdev == pytest.approx(0.0, abs=1e-9)
+    assert long.median == pytest.approx(6.0)
+    assert long.median / short.median == pytest.approx(3.0)
+    assert PerfCounterTimer().clock is time.perf_counter  # the real one reads the wall clock
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -154,10 +170,11 @@ def test_judgements_say_by_how_much_a_target_is_missed():
 # bench_method with candidates of known cost
 
 
-def _sleeper(seconds: float, scale: float = 2.0):
+def _sleeper(seconds: float, scale: float = 2.0, clock: Optional[SleepClock] = None):
+    """A candidate that costs ``seconds`` per call: on ``clock`` when given (deterministic), else really."""
     def build():
         def run(args):
-            time.sleep(seconds)
+            (clock.sleep if clock is not None else time.sleep)(seconds)
             return [args[0] * scale]
         return run
     return build
@@ -167,14 +184,18 @@ SPEC = [InputSpec("x", "float32", [2, "n"])]
 
 
 def test_bench_method_ratios_targets_and_agreement_from_one_run():
-    cands = [Candidate("eager", _sleeper(0.006)), Candidate("artifact", _sleeper(0.002, 2.0 * (1 + 1e-3))),
-             Candidate("compile", _sleeper(0.002))]
-    [result] = bench_method("step", SPEC, [{"n": 3}], cands, warmup=2, runs=10, device="cpu", input_sets=3)
+    clock = SleepClock()
+    cands = [Candidate("eager", _sleeper(0.006, clock=clock)),
+             Candidate("artifact", _sleeper(0.002, 2.0 * (1 + 1e-3), clock=clock)),
+             Candidate("compile", _sleeper(0.002, clock=clock))]
+    [result] = bench_method("step", SPEC, [{"n": 3}], cands, warmup=2, runs=10, device="cpu", input_sets=3,
+                            timer=PerfCounterTimer(clock))
     c = result["candidates"]
     assert result["sizes"] == {"n": 3} and result["input_sets"] == 3
     assert all(c[name]["stats"]["n"] == 10 for name in ("eager", "artifact", "compile"))
-    assert result["ratios"]["artifact/eager"] == pytest.approx(1 / 3, rel=0.1)
-    assert result["ratios"]["artifact/compile"] == pytest.approx(1.0, rel=0.1)
+    assert c["eager"]["stats"]["median"] == pytest.approx(6.0) and c["artifact"]["stats"]["median"] == pytest.approx(2.0)
+    assert result["ratios"]["artifact/eager"] == pytest.approx(1 / 3)
+    assert result["ratios"]["artifact/compile"] == pytest.approx(1.0)
     assert result["targets"]["artifact/eager"]["ok"] is True
     assert result["targets"]["memory artifact/eager"]["ok"] is None  # no device memory on the CPU
     # artifact = 2x(1 + 1e-3) against eager 2x: relative L2 1e-3 and cosine 1, whatever x is.

@@ -21,7 +21,7 @@ from zoo.recipes import load_recipe, recipe_names
 from conftest import TEST_RECIPES
 
 ROOT = Path(__file__).resolve().parent.parent
-FAILED_RUN = ["recipe.yaml", "report.json", "report.md"]  # all a failed run leaves in its folder
+FAILED_RUN = ["export.log", "recipe.yaml", "report.json", "report.md"]  # all a failed run leaves in its folder
 
 
 def toy(name: str) -> str:
@@ -49,7 +49,8 @@ def test_list_shows_every_recipe(capsys):
 
 def test_list_pattern(capsys):
     assert zoo_main.main(["list", "*-tiny"]) == 0
-    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]]
+    # Notes wrap onto continuation lines, which start blank (issue 15): a row starts with its name.
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:] if not line.startswith(" ")]
     assert names == recipe_names(pattern="*-tiny") and names
 
 
@@ -128,9 +129,27 @@ def test_ctrl_c_exits_130_and_leaves_no_half_written_files(tmp_path, capsys, toy
     monkeypatch.setattr(pipeline, "cpu_check", interrupted)
     run = tmp_path / "run"
     assert zoo_export.main([toy("toy-pool"), "--output-dir", str(run)]) == 130
-    assert "interrupted" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "interrupted during cpu_check (Ctrl-C)" in err and "Traceback" not in err
     assert files(run) == FAILED_RUN
     assert json.loads((run / "report.json").read_text())["status"] == "interrupted"
+    md = (run / "report.md").read_text()
+    assert md.splitlines()[2] == "**Status: interrupted during cpu_check (Ctrl-C)**"
+    assert f"- next: `{sys.executable} -m zoo.export" in md or "- next: `python -m zoo.export" in md
+
+
+def test_unknown_method_is_refused_before_anything_is_fabricated_or_written(tmp_path, capsys, toy_family,
+                                                                          monkeypatch):
+    from zoo import tiny_hub
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "report.json").write_text('{"status": "verified", "stages": []}')  # an earlier run, to keep
+    monkeypatch.setattr(tiny_hub, "fabricate", lambda *a, **k: pytest.fail("fabricated before the refusal"))
+    assert zoo_export.main([toy("toy-pool"), "unit.methods=[nope]", "--output-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "unit.methods=['nope']" in err and "set unit.methods: ['write', 'read']" in err
+    assert files(run) == ["report.json"] and not list(tmp_path.glob(".run.*"))
 
 
 def test_export_toy_recipe_prints_summary(tmp_path, capsys, toy_family):
@@ -167,10 +186,9 @@ def check_finished_run(run: Path, methods) -> dict:
 
 
 @pytest.mark.policies
-def test_llama_rope_tiny_end_to_end(tmp_path):
-    pytest.importorskip("transformers")
-    run = tmp_path / "llama-rope-tiny"
-    proc = run_export("llama-rope-tiny", run)
+def test_llama_rope_tiny_end_to_end(llama_tiny_readme_run):
+    # The README's main job, run once for the session as the README writes it (conftest.llama_tiny_readme_run).
+    proc, run = llama_tiny_readme_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert re.search(r"^cpu_check\s+done", proc.stdout, re.M) and f"python -m zoo.lower {run.resolve()}" in proc.stdout
     data = check_finished_run(run, ["forward"])

@@ -24,10 +24,18 @@ def recipe_for(repo_id="org/model", revision="main", local_dir=None, allow_patte
     return SimpleNamespace(source=source)
 
 
+def weights_file(label: bytes) -> bytes:
+    """A whole safetensors file told apart by ``label`` (pull refuses a truncated or foreign one)."""
+    import torch
+    from safetensors.torch import save
+
+    return save({"w": torch.zeros(2)}, metadata={"label": label.decode()})
+
+
 def checkpoint_folder(root: Path, weights: bytes = b"weights") -> Path:
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps({"type": "toy"}))
-    (root / "model.safetensors").write_bytes(weights)
+    (root / "model.safetensors").write_bytes(weights_file(weights))
     return root
 
 
@@ -44,7 +52,7 @@ def test_pull_from_cache_offline(tmp_path, cache):
     # The resolved commit is the snapshot the refs/main file points to, read independently here.
     assert (repo_folder(cache, "org/model") / "refs" / "main").read_text() == commit
     assert ckpt.commit == commit and ckpt.path.name == commit
-    assert (ckpt.path / "model.safetensors").read_bytes() == b"weights"
+    assert (ckpt.path / "model.safetensors").read_bytes() == weights_file(b"weights")
     assert ckpt.offline is True and ckpt.local_dir is None
     assert ckpt.as_dict()["repo_id"] == "org/model"
 
@@ -55,8 +63,8 @@ def test_pinned_commit_is_used_offline(tmp_path, cache):
     with hub_environment(cache, offline=True):
         pinned = hub.pull(recipe_for(revision=old))
         latest = hub.pull(recipe_for())
-    assert (pinned.path / "model.safetensors").read_bytes() == b"old"
-    assert (latest.path / "model.safetensors").read_bytes() == b"new"
+    assert (pinned.path / "model.safetensors").read_bytes() == weights_file(b"old")
+    assert (latest.path / "model.safetensors").read_bytes() == weights_file(b"new")
     assert pinned.commit == old == folder_commit(tmp_path / "v1")
 
 
@@ -254,7 +262,7 @@ def test_checkpoint_into_cache_files_a_local_folder_under_its_repo_id(tmp_path):
     # On the target, the same recipe without local_dir pulls it from the bundle's cache, offline.
     with hub_environment(tmp_path / "bundle-hub", offline=True):
         ckpt = hub.pull(recipe_for("org/local-model"))
-    assert (ckpt.path / "model.safetensors").read_bytes() == b"weights"
+    assert (ckpt.path / "model.safetensors").read_bytes() == weights_file(b"weights")
 
 
 def test_network_errors_are_recognised():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from zoo import lowering_workers as workers
-from zoo.errors import LoweringError
+from zoo.errors import LoweringError, StorageError
 from zoo.lowering_workers import MethodJob
 
 from test_assemble import CALLS, eager_calls, programs, run_calls, write
@@ -88,6 +88,41 @@ def test_one_worker_at_a_time_when_so_bounded(tmp_path):
     parts = workers.lower_in_workers(saved_jobs(tmp_path / "programs", options), FUNCTION, tmp_path / "work",
                                      max_workers=1, env=ENV, say=lambda line: None)
     assert parts["a"].record["saw"] == [] and parts["b"].record["saw"] == ["a"]
+
+
+class RecordingBar:
+    """Stands in for zoo.progress.Progress: what the bar was told, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def begin(self, label):
+        self.calls.append(("begin", label))
+
+    def advance(self, n=1):
+        self.calls.append(("advance", n))
+
+
+def test_the_bar_names_the_running_methods_and_counts_each_one_done(tmp_path):
+    bar = RecordingBar()
+    workers.lower_in_workers(saved_jobs(tmp_path / "programs", lambda m: {}), FUNCTION, tmp_path / "work",
+                             max_workers=1, env=ENV, say=lambda line: None, bar=bar)
+    assert bar.calls == [("begin", "a"), ("advance", 1), ("begin", ""), ("begin", "b"), ("advance", 1),
+                         ("begin", "")]
+    bar = RecordingBar()
+    workers.lower_in_process(saved_jobs(tmp_path / "programs2", lambda m: {}), FUNCTION, tmp_path / "here",
+                             pythonpath=[str(FIXTURES)], say=lambda line: None, bar=bar)
+    assert bar.calls == [("begin", "a"), ("advance", 1), ("begin", "b"), ("advance", 1)]
+
+
+def test_a_full_disk_in_a_worker_is_a_storage_error(tmp_path):
+    def options(method):
+        return {"disk_full": "a.pte"} if method == "a" else {}
+
+    with pytest.raises(StorageError, match=r"method 'a': the machine could not write a file: \[Errno 28\]") as info:
+        workers.lower_in_workers(saved_jobs(tmp_path / "programs", options), FUNCTION, tmp_path / "work",
+                                 max_workers=1, env=ENV, say=lambda line: None)
+    assert "free disk space" in info.value.hint
 
 
 def test_a_failing_method_fails_the_lowering_with_its_own_error(tmp_path):

@@ -5,7 +5,10 @@ failed or interrupted run leaves behind."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -248,15 +251,17 @@ def test_kernel_preflight_runs_without_a_gpu_and_fails_the_run_early(test_recipe
     assert not (tmp_path / "runs" / "toy-rope" / "model.pte").exists()
 
 
-def test_run_folder_of_a_tiny_recipe(test_recipe, toy_family, tmp_path):
+def test_run_folder_of_a_tiny_recipe(test_recipe, toy_family, tmp_path, monkeypatch):
     pytest.importorskip("zoo.rewrites.complex_to_real")
+    # This Python is the `python` on PATH (an activated venv): the next command says `python -m zoo.lower`.
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     # load_aux: the toy policy loads a second repo by Hub id while it is built, served from the tiny cache.
     recipe = test_recipe("toy-rope", "unit.options.load_aux=true")
     report = pipeline.run_pipeline(recipe, tmp_path / "runs" / "toy-rope")
     run = tmp_path / "runs" / "toy-rope"
     assert report.run_dir == run.resolve()
     assert sorted(p.name for p in run.iterdir()) == [
-        "exported.forward.pt2", "host_settings.json", "io_spec.json", "processors", "recipe.yaml",
+        "export.log", "exported.forward.pt2", "host_settings.json", "io_spec.json", "processors", "recipe.yaml",
         "report.json", "report.md", "rewritten.forward.pt2", "source.json"]
     assert not list(run.parent.glob(".toy-rope.*"))  # no staging folder left over
 
@@ -271,6 +276,7 @@ def test_run_folder_of_a_tiny_recipe(test_recipe, toy_family, tmp_path):
                                     for place in ("cpu", "gpu")}
     assert data["policy_check"]["cpu"]["reason"].startswith("not applicable: toy has no action loop")
     assert data["skipped"]["later"] == f"python -m zoo.lower {run.resolve()}"
+    assert data["next"]["command"] == f"python -m zoo.lower {run.resolve()}"
     assert data["cpu_check"]["passed"] and data["cpu_check"]["compared"] == 8
 
     source = json.loads((run / "source.json").read_text())
@@ -320,6 +326,9 @@ def only_failure_files(run: Path):
     return sorted(p.name for p in run.iterdir())
 
 
+FAILED_RUN = ["export.log", "recipe.yaml", "report.json", "report.md"]  # the report, the recipe, the log
+
+
 def test_failed_check_leaves_only_the_report(test_recipe, toy_family, tmp_path, monkeypatch):
     def failing_check(*args, **kwargs):
         raise VerificationFailed("CPU check: out.y differs", "see report.md")
@@ -328,7 +337,7 @@ def test_failed_check_leaves_only_the_report(test_recipe, toy_family, tmp_path, 
     run = tmp_path / "run"
     with pytest.raises(VerificationFailed) as err:
         pipeline.run_pipeline(test_recipe("toy-pool"), run)
-    assert only_failure_files(run) == ["recipe.yaml", "report.json", "report.md"]
+    assert only_failure_files(run) == FAILED_RUN
     data = json.loads((run / "report.json").read_text())
     assert data["status"] == "failed" and data["failed_stage"] == "cpu_check"
     assert data["error"] == {"type": "VerificationFailed", "message": "CPU check: out.y differs",
@@ -347,21 +356,59 @@ def test_interrupt_leaves_only_the_report(test_recipe, toy_family, tmp_path, mon
         pipeline.run_pipeline(test_recipe("toy-pool"), run)
     data = json.loads((run / "report.json").read_text())
     assert data["status"] == "interrupted" and data["failed_stage"] == "export"
-    assert only_failure_files(run) == ["recipe.yaml", "report.json", "report.md"]
+    assert only_failure_files(run) == FAILED_RUN
 
 
-def test_a_failed_rerun_replaces_an_earlier_run(test_recipe, toy_family, tmp_path, monkeypatch):
+def file_hashes(run: Path):
+    return {p.relative_to(run).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run.rglob("*")) if p.is_file() and p.relative_to(run).parts[0] != "attempts"}
+
+
+def test_a_failed_rerun_keeps_the_earlier_run_and_its_report_beside_it(test_recipe, toy_family, tmp_path,
+                                                                        monkeypatch):
+    # Issue 15 (this test used to pin the opposite): a failed re-run never destroys an earlier good run.
     run = tmp_path / "run"
     pipeline.run_pipeline(test_recipe("toy-pool"), run)
-    assert (run / "rewritten.read.pt2").is_file()
+    before = file_hashes(run)
+
     def no_pull(recipe):
         raise ZooError("no pull")
 
     monkeypatch.setattr(pipeline.hub, "pull", no_pull)
-    with pytest.raises(ZooError):
+    with pytest.raises(ZooError) as err:
         pipeline.run_pipeline(test_recipe("toy-pool"), run)
-    # The folder always describes the latest attempt: an old artifact next to a failed report would mislead.
-    assert only_failure_files(run) == ["recipe.yaml", "report.json", "report.md"]
+    assert file_hashes(run) == before
+    [attempt] = list((run / "attempts").iterdir())
+    assert attempt.name.endswith("-failed") and only_failure_files(attempt) == FAILED_RUN
+    data = json.loads((attempt / "report.json").read_text())
+    assert data["status"] == "failed" and data["failed_stage"] == "pull"
+    placement = err.value.zoo_placement
+    assert not placement.placed and placement.folder == attempt and placement.earlier == "done"
+    assert str(attempt) in placement.describe("failed") and "unchanged" in placement.describe("failed")
+    assert not list(tmp_path.glob(".run.*"))
+
+
+def test_a_run_that_got_less_far_is_kept_beside_the_earlier_run_unless_forced(test_recipe, toy_family, tmp_path):
+    # The earlier run passed lower, audit and verify; a CPU-only re-run skips them: kept aside, or --force.
+    run = tmp_path / "run"
+    pipeline.run_pipeline(test_recipe("toy-pool"), run)
+    data = json.loads((run / "report.json").read_text())
+    data["status"] = "verified"
+    data["stages"] = [dict(s, status="done") if s["stage"] in ("lower", "audit", "verify") else s
+                      for s in data["stages"]]
+    (run / "report.json").write_text(json.dumps(data))
+    before = file_hashes(run)
+    report = pipeline.run_pipeline(test_recipe("toy-pool", "verify.seeds=[7]"), run)
+    assert file_hashes(run) == before
+    placement = report.get("placement")
+    assert placement["placed"] is False and "lower, audit, verify" in placement["reason"]
+    kept = Path(placement["folder"])
+    assert kept.parent == run / "attempts" and (kept / "rewritten.read.pt2").is_file()  # the whole attempt
+    assert report.get("next")["command"].endswith("--force")
+    forced = pipeline.run_pipeline(test_recipe("toy-pool", "verify.seeds=[7]"), run, force=True)
+    assert forced.get("placement")["placed"] is True and "--force" in forced.get("placement")["reason"]
+    assert json.loads((run / "report.json").read_text())["recipe"]["verify"]["seeds"] == [7]
+    assert (run / "attempts" / kept.name).is_dir()  # the attempts kept beside the run stay with it
 
 
 def test_a_folder_that_is_not_a_run_is_refused(test_recipe, tmp_path):
@@ -420,4 +467,4 @@ def test_failed_gpu_step_is_the_failed_stage(test_recipe, toy_family, tmp_path, 
         pipeline.run_pipeline(test_recipe("toy-pool"), tmp_path / "run")
     data = json.loads((tmp_path / "run" / "report.json").read_text())
     assert data["failed_stage"] == "verify" and data["status"] == "failed"
-    assert only_failure_files(tmp_path / "run") == ["recipe.yaml", "report.json", "report.md"]
+    assert only_failure_files(tmp_path / "run") == FAILED_RUN

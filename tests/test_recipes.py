@@ -175,11 +175,13 @@ def test_missing_required_key(tmp_path):
     assert "incomplete" in str(err.value) and "family" in str(err.value)
 
 
-def test_name_must_match_file(tmp_path):
+def test_a_name_that_does_not_match_the_file_is_a_warning(tmp_path, capsys):
+    # Issue 15: a recipe copied under a new file name works; its name is the file name, and the stale name:
+    # key is pointed out (it used to be refused).
     path = write(tmp_path, "m", "name: other\n" + MINIMAL)
-    with pytest.raises(RecipeError) as err:
-        load_recipe(str(path))
-    assert "set name: m" in err.value.hint
+    assert load_recipe(str(path)).name == "m"
+    err = capsys.readouterr().err
+    assert "warning:" in err and "says name: other" in err and "set it to m" in err
 
 
 def test_local_dir_replaces_repo_id_check(tmp_path):

@@ -13,7 +13,7 @@ import torch
 
 from zoo.errors import LoweringError, ZooError
 from zoo.report import RunReport
-from zoo.run_folder import RunFolder
+from zoo.run_folder import Attempt, RunFolder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -157,3 +157,168 @@ def test_no_module_outside_the_run_folder_spells_its_file_names():
     spelled = {k: v for k, v in spelled.items() if v and k not in OWNERS}
     assert set(spelled) == set(STILL_SPELLED), {k: v for k, v in spelled.items() if k not in STILL_SPELLED}
     assert spelled_names(ROOT / "zoo" / "run_folder.py")  # the check sees them where they are
+
+
+# --------------------------------------------------------------------------------------------------------
+# Attempts: a later attempt never changes a good run until it has passed at least the same stages (issue 15)
+
+
+def _report(folder: Path, status: str, stages) -> RunReport:
+    report = RunReport(folder, {"name": "toy"})
+    for name, stage_status in stages:
+        report.stage(name, stage_status, 1.0 if stage_status == "done" else None, "")
+    report.record("status", status)
+    return report
+
+
+CPU_DONE = [("pull", "done"), ("export", "done"), ("lower", "skipped"), ("verify", "skipped")]
+VERIFIED = [("pull", "done"), ("export", "done"), ("lower", "done"), ("verify", "done")]
+
+
+def _earlier(tmp_path: Path, status: str, stages) -> RunFolder:
+    run = RunFolder(tmp_path / "run")
+    run.path.mkdir()
+    run.write_report(_report(run.path, status, stages))
+    (run.path / "model.pte").write_bytes(b"the earlier artifact")
+    return run
+
+
+def _files(folder: Path):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("earlier, attempt, failed, force, placed", [
+    (None, ("done", CPU_DONE), False, False, True),  # nothing there: the attempt is the run
+    (("failed", [("pull", "failed")]), ("failed", [("pull", "failed")]), True, False, True),  # nothing good there
+    (("done", CPU_DONE), ("done", CPU_DONE), False, False, True),  # as far as the run there: replaces it
+    (("done", CPU_DONE), ("verified", VERIFIED), False, False, True),  # further
+    (("verified", VERIFIED), ("done", CPU_DONE), False, False, False),  # less far: kept aside
+    (("verified", VERIFIED), ("done", CPU_DONE), False, True, True),  # ... unless forced
+    (("done", CPU_DONE), ("failed", [("pull", "done"), ("export", "failed")]), True, False, False),  # failed
+    (("done", CPU_DONE), ("failed", [("pull", "done"), ("export", "failed")]), True, True, False),  # even forced
+    (("done", CPU_DONE), ("done", [("export", "done"), ("lower", "skipped")]), False, False, True),  # no pull: n/a
+])
+def test_where_an_attempt_goes(tmp_path, earlier, attempt, failed, force, placed):
+    if earlier is not None:
+        _earlier(tmp_path, *earlier)
+    job = Attempt.begin(tmp_path / "run", force=force)
+    placement = job.decide(_report(job.staging.path, *attempt), failed)
+    assert placement.placed is placed
+    if not placed:
+        assert placement.folder.parent == job.run.attempts_dir and placement.folder.name.endswith(attempt[0])
+        assert placement.reason
+    job.abandon()
+
+
+def test_a_kept_aside_attempt_leaves_the_run_byte_for_byte(tmp_path):
+    run = _earlier(tmp_path, "verified", VERIFIED)
+    before = _files(run.path)
+    job = Attempt.begin(run.path)
+    (job.staging.path / "rewritten.forward.pt2").write_bytes(b"new program")
+    report = _report(job.staging.path, "done", CPU_DONE)
+    placement = job.finish(report, failed=False)
+    assert not placement.placed and "lower, verify" in placement.reason and "--force" in placement.reason
+    after = _files(run.path)
+    kept = {k: v for k, v in after.items() if k.startswith("attempts/")}
+    assert {k: v for k, v in after.items() if not k.startswith("attempts/")} == before
+    name = placement.folder.name
+    assert set(kept) == {f"attempts/{name}/rewritten.forward.pt2", f"attempts/{name}/report.json",
+                         f"attempts/{name}/report.md"}
+    assert json.loads((placement.folder / "report.json").read_text())["run_dir"] == str(placement.folder)
+    assert not list(tmp_path.glob(".run.*"))
+
+
+def test_a_failed_attempt_keeps_only_its_report_recipe_and_log(tmp_path):
+    run = _earlier(tmp_path, "done", CPU_DONE)
+    job = Attempt.begin(run.path)
+    for name in ("recipe.yaml", "export.log", "exported.forward.pt2"):
+        (job.staging.path / name).write_text(name)
+    placement = job.finish(_report(job.staging.path, "failed", [("pull", "failed")]), failed=True)
+    assert sorted(p.name for p in placement.folder.iterdir()) == ["export.log", "recipe.yaml", "report.json",
+                                                                  "report.md"]
+    assert (run.path / "model.pte").read_bytes() == b"the earlier artifact"
+
+
+def test_a_placed_attempt_keeps_the_attempts_of_the_run_it_replaces(tmp_path):
+    run = _earlier(tmp_path, "done", CPU_DONE)
+    (run.attempts_dir / "20250101-000000-failed").mkdir(parents=True)
+    job = Attempt.begin(run.path)
+    placement = job.finish(_report(job.staging.path, "verified", VERIFIED), failed=False)
+    assert placement.placed and not (run.path / "model.pte").exists()  # the earlier run is gone ...
+    assert [a.name for a in run.attempts()] == ["20250101-000000-failed"]  # ... its attempts are not
+    assert json.loads(run.report_json.read_text())["status"] == "verified"
+
+
+def test_a_report_that_cannot_be_written_keeps_nothing_and_touches_nothing(tmp_path, monkeypatch):
+    import errno
+
+    from zoo import atomic
+
+    run = _earlier(tmp_path, "done", CPU_DONE)
+    before = _files(run.path)
+    job = Attempt.begin(run.path)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "report.json")
+
+    monkeypatch.setattr(atomic, "write_json", disk_full)
+    placement = job.finish(_report(job.staging.path, "verified", VERIFIED), failed=False)
+    assert "No space left on device" in placement.write_error and not job.staging.path.exists()
+    assert _files(run.path) == before
+
+
+def test_a_lower_attempt_links_the_run_and_leaves_it_untouched(tmp_path):
+    run = _earlier(tmp_path, "done", CPU_DONE)
+    (run.path / "rewritten.forward.pt2").write_bytes(b"program")
+    (run.path / "so").mkdir()
+    (run.path / "so" / "forward.so").write_bytes(b"old so")
+    before = _files(run.path)
+    job = Attempt.begin(run.path, seed=True, rebuilt=("model.pte", "so"))
+    staged = job.staging.path
+    assert (staged / "rewritten.forward.pt2").stat().st_ino == (run.path / "rewritten.forward.pt2").stat().st_ino
+    assert not (staged / "model.pte").exists() and not (staged / "so").exists()
+    assert not (staged / "report.json").exists()  # written anew by the attempt
+    from zoo import atomic
+
+    atomic.write_bytes(staged / "rewritten.forward.pt2", b"rewritten through the link?")  # replaces the link
+    assert _files(run.path) == before
+
+
+def test_dead_staging_gives_its_attempts_back_and_a_moved_aside_run_is_put_back(tmp_path):
+    run = _earlier(tmp_path, "done", CPU_DONE)
+    dead = tmp_path / ".run.partial-999999999"
+    (dead / "attempts" / "20250101-000000-interrupted").mkdir(parents=True)
+    RunFolder(run.path).prepare()
+    assert not dead.exists() and [a.name for a in run.attempts()] == ["20250101-000000-interrupted"]
+    # Where the two folders could not be swapped in one step, a killed process may leave the run moved aside.
+    moved = tmp_path / ".run.old-999999999"
+    os.replace(run.path, moved)
+    RunFolder(run.path).prepare()
+    assert (run.path / "model.pte").read_bytes() == b"the earlier artifact" and not moved.exists()
+
+
+def test_atomic_folder_replaces_whole_or_not_at_all(tmp_path):
+    from zoo import atomic
+
+    final = tmp_path / "publish"
+    final.mkdir()
+    (final / "README.md").write_text("old card")
+    with pytest.raises(RuntimeError):
+        with atomic.atomic_folder(final) as tmp:
+            (tmp / "README.md").write_text("half")
+            raise RuntimeError("staging failed")
+    assert (final / "README.md").read_text() == "old card" and sorted(p.name for p in tmp_path.iterdir()) == ["publish"]
+    with atomic.atomic_folder(final) as tmp:
+        (tmp / "README.md").write_text("new card")
+    assert (final / "README.md").read_text() == "new card" and sorted(p.name for p in tmp_path.iterdir()) == ["publish"]
+
+
+def test_a_run_whose_report_is_damaged_is_still_protected(tmp_path):
+    run = _earlier(tmp_path, "done", CPU_DONE)
+    run.report_json.write_text('{"status": "done", "stag')  # cut off mid-write by something else
+    with pytest.raises(ZooError, match="report.json is damaged"):
+        run.read_report()
+    job = Attempt.begin(run.path)
+    placement = job.decide(_report(job.staging.path, "failed", [("pull", "failed")]), failed=True)
+    assert not placement.placed and placement.earlier == "unreadable report"
+    job.abandon()

@@ -145,6 +145,9 @@ def test_bad_settings_are_refused(tmp_path, kwargs):
 def test_the_report_ends_with_inductor_phase_timers_once_torch_recorded_some(tmp_path):
     from torch._dynamo.utils import compilation_time_metrics, dynamo_timed
 
+    # Only this test's phase: earlier tests' compiles (longer phases) would push it out of the report's top rows.
+    earlier = dict(compilation_time_metrics)
+    compilation_time_metrics.clear()
     with dynamo_timed("zoo_test_phase"):
         pass
     with dynamo_timed("zoo_test_phase"):
@@ -157,4 +160,5 @@ def test_the_report_ends_with_inductor_phase_timers_once_torch_recorded_some(tmp
         line = next(ln for ln in text.splitlines() if ln.endswith("zoo_test_phase"))
         assert line.split()[1] == "2"  # two calls, summed
     finally:
-        compilation_time_metrics.pop("zoo_test_phase", None)
+        compilation_time_metrics.clear()
+        compilation_time_metrics.update(earlier)

@@ -517,10 +517,12 @@ def test_executorch_chosen_without_a_runner_fails_before_lowering(run_folder, tm
     (run / "model.pte").unlink()
     fake = fake_cuda.FakeCudaCompile({})
     fake.install(monkeypatch)
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()}
     assert lower_cli.main([str(run), "--runtime", "executorch"]) == RuntimeNotBuilt.exit_code
     assert fake.partitions == {} and not (run / "model.pte").exists()  # nothing was lowered
-    report = json.loads((run / "report.json").read_text())
-    assert report["error"]["type"] == "RuntimeNotBuilt" and report["stages"] == []
+    # Refused before the attempt was staged: the run folder is byte for byte as it was, no attempt kept beside it.
+    assert {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert not [p for p in run.parent.iterdir() if p.name.startswith(".run.")]
     err = capsys.readouterr().err
     assert "ZOO_ET_RUNNER" in err and "scripts/build_runtime.sh" in err
     # A runner path that is no runner is refused at once too.

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import shutil
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .cli import guarded, report_error
-from .errors import ZooError
+from .errors import EXIT_ERROR, EXIT_OK, ZooError, exit_status_help
 from .recipes import load_recipe, recipe_names
 from .report import format_table
 
@@ -31,10 +32,19 @@ DELEGATES: Dict[str, Tuple[str, str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m zoo", description="zoo: export robot policies to verified "
-                                     "ExecuTorch CUDA artifacts. `python -m zoo COMMAND --help` for a command's options.")
+    parser = argparse.ArgumentParser(
+        prog="python -m zoo", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="zoo: export robot policies to verified ExecuTorch CUDA artifacts. "
+                    "`python -m zoo COMMAND --help` for a command's options and exit codes.",
+        epilog=exit_status_help([EXIT_OK, EXIT_ERROR], {
+            EXIT_OK: "list: recipes printed (each command documents its own codes in its --help)",
+            EXIT_ERROR: "no command, an unknown one, or no recipe matches the pattern"}))
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    lister = sub.add_parser("list", help="every recipe with its Hub id and what it exports")
+    lister = sub.add_parser("list", help="every recipe with its Hub id and what it exports",
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog=exit_status_help([EXIT_OK, EXIT_ERROR], {
+                                EXIT_OK: "the recipes are listed",
+                                EXIT_ERROR: "no recipe matches the pattern"}))
     lister.add_argument("pattern", nargs="?", default=None, help="fnmatch filter on names, e.g. 'lingbot*'")
     for name, (_, _, help_text) in DELEGATES.items():
         # The delegate parses its own arguments (and answers its own --help).
@@ -58,6 +68,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 2
 
 
+METHODS_WIDTH = 32  # "vae_encode_first, vae_encode," fits on one line
+
+
 def list_recipes(pattern: Optional[str] = None, out=None) -> int:
     out = out or sys.stdout
     names = recipe_names(pattern=pattern)
@@ -71,7 +84,13 @@ def list_recipes(pattern: Optional[str] = None, out=None) -> int:
             rows.append([s["name"], s["family"], s["hub"], s["methods"], s["dtype"], s["notes"]])
         except ZooError as exc:  # one broken recipe file must not hide the others
             rows.append([name, "?", "?", "?", "?", f"BROKEN: {exc.message}"])
-    print(format_table(rows), file=out)
+    # A long methods list wraps at METHODS_WIDTH; the notes wrap onto further lines within the terminal's width
+    # (at least 30 columns). Nothing is cut.
+    methods, notes = 3, len(rows[0]) - 1
+    widths = [max(len(r[i]) for r in rows) for i in range(notes)]
+    widths[methods] = min(widths[methods], METHODS_WIDTH)
+    width = max(30, shutil.get_terminal_size((120, 24)).columns - sum(w + 2 for w in widths))
+    print(format_table(rows, wrap={methods: METHODS_WIDTH, notes: width}), file=out)
     return 0
 
 

@@ -26,7 +26,15 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Set, Union
 
 from .artifact import PTD_NAME, PTE_NAME, SO_SUFFIX, WEIGHTS_SUFFIX, read_ptd_entries, read_pte, so_file_name
-from .errors import LoweringError, ZooError
+from .errors import (
+    EXIT_CHECK_FAILED,
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    LoweringError,
+    ZooError,
+    exit_status_help,
+)
 from .report import format_table
 from .run_folder import SO_DIR, RunFolder
 from .runtimes import Release, load_runtimes
@@ -46,19 +54,22 @@ def undefined_aoti_symbols(so: Union[Path, bytes], what: str = "") -> List[str]:
 
     data = so if isinstance(so, (bytes, bytearray)) else Path(so).read_bytes()
     label = what or (str(so) if not isinstance(so, (bytes, bytearray)) else "the .so")
+    found: Set[str] = set()
     try:
         elf = ELFFile(io.BytesIO(data))
         tables = [s for s in elf.iter_sections() if isinstance(s, SymbolTableSection)]
+        # The dynamic table is what the loader resolves; a static table only adds names of a non-stripped build.
+        dynamic = [t for t in tables if t.name == ".dynsym"] or tables
+        for table in dynamic:
+            for sym in table.iter_symbols():
+                if sym.name.startswith(SYMBOL_PREFIX) and sym["st_shndx"] == "SHN_UNDEF":
+                    found.add(sym.name)
     except ELFError as exc:
         raise LoweringError(f"{label} is not an ELF shared library: {exc}",
                             "audit a .so compiled by AOTInductor, a CUDA .pte that holds them, or a run folder") from None
-    # The dynamic table is what the loader resolves; a static table only adds names of a non-stripped build.
-    dynamic = [t for t in tables if t.name == ".dynsym"] or tables
-    found: Set[str] = set()
-    for table in dynamic:
-        for sym in table.iter_symbols():
-            if sym.name.startswith(SYMBOL_PREFIX) and sym["st_shndx"] == "SHN_UNDEF":
-                found.add(sym.name)
+    except Exception as exc:  # a damaged ELF makes pyelftools fail in many ways (struct, index, unicode errors)
+        raise LoweringError(f"{label} is a damaged ELF library ({type(exc).__name__}: {exc})",
+                            "the file is truncated or corrupted: lower the run again, or pass the original") from None
     return sorted(found)
 
 
@@ -146,8 +157,8 @@ class AuditResult:
         return self.tested.get(release, INFERRED)
 
 
-def audit_so(data: bytes, method: str, runtimes: Dict[str, Release]) -> MethodAudit:
-    symbols = undefined_aoti_symbols(data, what=f"the .so of method {method!r}")
+def audit_so(data: bytes, method: str, runtimes: Dict[str, Release], where: str = "") -> MethodAudit:
+    symbols = undefined_aoti_symbols(data, what=f"the .so of method {method!r}" + (f" in {where}" if where else ""))
     dtypes = sorted(s[len(DTYPE_PREFIX):] for s in symbols if s.startswith(DTYPE_PREFIX))
     missing = {name: sorted(set(symbols) - rel.symbols) for name, rel in runtimes.items()}
     return MethodAudit(method=method, so_bytes=len(data), symbols=symbols, dtypes=dtypes, missing=missing)
@@ -192,7 +203,7 @@ def audit_artifact(path: Union[str, Path], runtimes: Optional[Dict[str, Release]
     (default: the installed one, the only one whose programs zoo reads)."""
     runtimes = runtimes if runtimes is not None else load_runtimes()
     path = Path(path)
-    methods = [audit_so(data, name, runtimes) for name, data in _method_sos(path).items()]
+    methods = [audit_so(data, name, runtimes, where=str(path)) for name, data in _method_sos(path).items()]
     result = AuditResult(path=str(path), methods=methods, releases={n: r.version for n, r in runtimes.items()})
     result.notes = _notes(result, runtimes)
     result.weights = weights_facts(path)
@@ -339,8 +350,14 @@ def audit_main(argv: Optional[Sequence[str]] = None) -> int:
     Exit 0 when the artifact loads on ``--require`` (or, without it, on at least one release), 1 when it does
     not, and a ZooError's code when PATH cannot be read.
     """
-    parser = argparse.ArgumentParser(prog="python -m zoo audit",
-                                     description="Which ExecuTorch CUDA runtime releases can load an artifact.")
+    parser = argparse.ArgumentParser(
+        prog="python -m zoo audit", description="Which ExecuTorch CUDA runtime releases can load an artifact.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=exit_status_help([EXIT_OK, EXIT_CHECK_FAILED, EXIT_ERROR, EXIT_INTERRUPTED], {
+            EXIT_OK: "the artifact loads on --require (without it: on at least one release)",
+            EXIT_CHECK_FAILED: "it does not",
+            EXIT_ERROR: "PATH cannot be read: missing, not a CUDA .pte or .so, truncated or damaged",
+            EXIT_INTERRUPTED: "interrupted (Ctrl-C)"}))
     parser.add_argument("path", help="a run folder, a CUDA .pte written by ExecuTorch 1.2, or a .so")
     parser.add_argument("--json", action="store_true", help="print the audit as JSON")
     parser.add_argument("--require", metavar="RELEASE", help="exit 1 unless this release can load the artifact")
@@ -354,9 +371,12 @@ def audit_main(argv: Optional[Sequence[str]] = None) -> int:
     except ZooError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.table(title=True))
     ok = result.loadable(args.require) if args.require else bool(result.loadable_releases())
-    return 0 if ok else 1
+    return EXIT_OK if ok else EXIT_CHECK_FAILED
 
 
 # --- tested by running: the audit's prediction against a runtime that ran the artifact ----------------------------

@@ -17,7 +17,6 @@ Resolution is pip's: ``pip install --dry-run --report`` for the target interpret
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import subprocess
@@ -28,10 +27,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set
 
+from . import cli
 from .atomic import write_json
 from .errors import ZooError
 from .hub import checkpoint_into_cache
-from .progress import say
+from .progress import bars_on, say, steps
 from .recipes import load_recipe
 from .report import format_table
 
@@ -107,11 +107,12 @@ def zoo_requirements(python: str, extras: Sequence[str] = ("policies",)) -> List
     return wanted
 
 
-def _pip(args: List[str], what: str) -> subprocess.CompletedProcess:
+def _pip(args: List[str], what: str, show: bool = False) -> subprocess.CompletedProcess:
+    """Run pip; ``show`` lets it draw its own per-file progress on the terminal (its errors go there too)."""
     cmd = [sys.executable, "-m", "pip", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=not show, text=True)
     if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+        tail = "\n".join((proc.stderr or proc.stdout or "see pip's output above").strip().splitlines()[-8:])
         raise BundleError(f"pip failed while {what}:\n{tail}",
                           "check the network or the index (--index-url / --find-links), and the target "
                           "--python/--platform; packages with no wheel for the target cannot be bundled")
@@ -194,8 +195,9 @@ def download(packages: List[ResolvedPackage], wheels_dir: Path, python: str, pla
             if not any(canonical(w.name.split("-")[0]) == p.name for w in wheels_dir.glob("*.whl"))]
     if pins:
         say(f"downloading {len(pins)} wheels for Python {python} on {platform}")
-        _pip(["download", "--no-deps", "-q", "-d", str(wheels_dir), *_target_args(python, platform), *index, *pins],
-             "downloading wheels")
+        show = bars_on()  # pip's own per-file bars on a terminal; quiet in a log
+        _pip(["download", "--no-deps", *([] if show else ["-q"]), "-d", str(wheels_dir),
+              *_target_args(python, platform), *index, *pins], "downloading wheels", show=show)
 
 
 def parse_have(items: Sequence[str], have_file: Optional[Path]) -> Dict[str, Optional[str]]:
@@ -255,8 +257,12 @@ def build_bundle(out_dir: Path, recipes: Sequence[str] = (), python: str = "3.12
     download(kept, wheels_dir, python, platform, index + ["--find-links", str(wheels_dir)])
 
     hub_entries = add_checkpoints(recipes, hub_dir) if (weights and recipes) else []
-    wheels = [file_record(p, out_dir) for p in sorted(wheels_dir.glob("*.whl"))]
-    hub_files = [file_record(p, out_dir) for p in sorted(hub_dir.rglob("*")) if p.is_file()] if hub_dir.exists() else []
+    say("hashing the bundle's files for manifest.json ...")
+    wheels = [file_record(p, out_dir) for p in steps(sorted(wheels_dir.glob("*.whl")), "hash wheels",
+                                                        label=lambda p: p.name, unit="file")]
+    hub_paths = sorted(p for p in hub_dir.rglob("*") if p.is_file()) if hub_dir.exists() else []
+    hub_files = [file_record(p, out_dir) for p in steps(hub_paths, "hash Hub cache", label=lambda p: p.name,
+                                                        unit="file")]
     manifest = BundleManifest(
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"), python=python, platform=platform,
         requirements=list(requirements), have=have, left_out=left, wheels=wheels,
@@ -277,7 +283,12 @@ def _in_repo(relpath: str, repo_id: str) -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zoo bundle", description=__doc__.split("\n\n")[0])
+    parser = cli.parser("python -m zoo bundle", __doc__.split("\n\n")[0],
+                        [cli.EXIT_OK, cli.EXIT_ERROR, cli.EXIT_INTERRUPTED],
+                        {cli.EXIT_OK: "the bundle is written (its manifest.json lists every file with its sha256)",
+                         cli.EXIT_ERROR: "pip could not resolve or download for the target, a recipe's checkpoint "
+                                         "could not be pulled, or a --have-file is missing",
+                         cli.EXIT_INTERRUPTED: "interrupted: the bundle folder is incomplete; run it again"})
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--recipe", action="append", default=[], help="add this recipe's checkpoint (repeatable)")
     parser.add_argument("--python", default="3.12", help="target Python (JetPack 6: 3.10)")

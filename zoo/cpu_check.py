@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from .errors import VerificationFailed
 from .exporting import example_sizes
 from .numerics import compare, judge, judge_low_precision
+from .progress import steps
 from .policies.base import ExportUnit
 
 # Verification inputs are drawn from seed + this offset, so they are never the example inputs torch.export
@@ -98,15 +99,15 @@ def cpu_check(unit: ExportUnit, programs: Dict[str, ExportedProgram], recipe,
         ref = {m: reference.methods[m].module for m in methods} if reference is not None else {}
         state = BufferState(list(eager.values()) + list(exported.values()) + list(ref.values()))
         try:
-            for seed in recipe.verify.seeds:
-                for sizes in check_cases(recipe):
-                    inputs = draw_inputs(unit, methods, sizes, seed)
-                    comps = _compare_case(unit, eager, exported, ref, inputs, state, dtype, tol)
-                    total += len(comps)
-                    for c in comps:
-                        if not c["ok"]:
-                            failures.append(f"{c['name']} at sizes {sizes} seed {seed}: {c['why']}")
-                    cases_out.append({"seed": seed, "sizes": sizes, "comparisons": comps})
+            calls = [(seed, sizes) for seed in recipe.verify.seeds for sizes in check_cases(recipe)]
+            for seed, sizes in steps(calls, "CPU check", label=lambda c: f"seed {c[0]} {c[1] or ''}", unit="case"):
+                inputs = draw_inputs(unit, methods, sizes, seed)
+                comps = _compare_case(unit, eager, exported, ref, inputs, state, dtype, tol)
+                total += len(comps)
+                for c in comps:
+                    if not c["ok"]:
+                        failures.append(f"{c['name']} at sizes {sizes} seed {seed}: {c['why']}")
+                cases_out.append({"seed": seed, "sizes": sizes, "comparisons": comps})
         finally:
             state.restore()
     result = {"passed": not failures, "compared": total, "failed": len(failures), "dtype": dtype,

@@ -27,10 +27,11 @@ from typing import List, Optional, Sequence
 import torch
 from omegaconf import OmegaConf
 
-from . import policies
-from .errors import RunnerError, ZooError
+from . import cli, policies
+from .errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, RunnerError, ZooError
 from .manifest import read_manifest
 from .policy_check import checkpoint_in_reach, not_applicable
+from .progress import say
 from .recipes import PolicyCheck, load_recipe
 from .report import format_table
 from .run_folder import RunFolder
@@ -45,9 +46,13 @@ from .runner.observations import load_observation, save_observation, synthetic_o
 
 
 def prompt_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m zoo prompt",
-                                description="Embed a task text once with the policy's own UMT5 text encoder (eager, "
-                                            "needs lerobot) into a prompt file the policy runner loads.")
+    p = cli.parser("python -m zoo prompt",
+                   "Embed a task text once with the policy's own UMT5 text encoder (eager, needs lerobot) into a "
+                   "prompt file the policy runner loads.",
+                   [EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED],
+                   {EXIT_OK: "the prompt file is written (atomically: an interrupted run leaves none)",
+                    EXIT_ERROR: "no run folder or recipe there, a family without a runner, no lerobot, the "
+                                "checkpoint out of reach, or the file cannot be written: the message says which"})
     p.add_argument("run_dir", help="run folder of `python -m zoo.export`, or a downloaded published artifact")
     p.add_argument("text", help="the task text, exactly as the observation batch's `task` will hold it")
     p.add_argument("-o", "--output", default=None,
@@ -70,6 +75,7 @@ def prompt_main(argv: Optional[Sequence[str]] = None) -> int:
     out = Path(args.output).expanduser() if args.output else run.prompt_file(args.text)
     family = policies.load_family(recipe.family)
     start = time.perf_counter()
+    say(f"embedding {args.text!r} with {recipe.family}'s own text encoder (eager, CPU) ...")
     with checkpoint_in_reach(recipe) as checkpoint:
         policy, _, _ = family.lerobot_policy(checkpoint, recipe, device="cpu")
         embedding = family.embed_prompt(policy, args.text)
@@ -100,8 +106,11 @@ def run_recipe(run: RunFolder):
 
 
 def act_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m zoo act",
-                                description="Print one action chunk for one observation, through zoo.runner.")
+    p = cli.parser("python -m zoo act", "Print one action chunk for one observation, through zoo.runner.",
+                   [EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED],
+                   {EXIT_OK: "the action chunk is printed (or --example-observation's file written)",
+                    EXIT_ERROR: "a missing or damaged run folder, observation or prompt file, or what the runner "
+                                "refuses to drive (the message says why)"})
     p.add_argument("run", help="run folder, downloaded published folder, or published Hub repo id (ORG/NAME)")
     p.add_argument("--observation", default=None,
                    help="observation file: safetensors with LeRobot's batch keys, the task in its metadata")
@@ -132,10 +141,12 @@ def act_main(argv: Optional[Sequence[str]] = None) -> int:
         raise RunnerError("no observation given", "pass --observation FILE (or write an example with "
                                                   "--example-observation FILE)")
     batch = load_observation(Path(args.observation).expanduser())
+    say(f"loading the policy runner for {args.run} ({args.backend} backend) ...")
     runner = load_runner(args.run, backend=args.backend, device=args.device)
     try:
         for path in args.prompt:
             runner.load_prompt(Path(path).expanduser())
+        say("predicting one action chunk ...")
         start = time.perf_counter()
         chunk = runner.predict_action_chunk(batch).detach().to("cpu", torch.float32)
         seconds = time.perf_counter() - start

@@ -6,13 +6,39 @@ without a traceback. Anything else escaping the CLI is a bug in zoo and keeps it
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import errno
+from typing import Dict, Optional, Sequence, Union
+
+# The exit codes of every zoo command line, documented in each command's --help (``exit_status_help``).
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_ERROR = 2
+EXIT_MISMATCH = 3
+EXIT_KEPT_ASIDE = 4
+EXIT_INTERRUPTED = 130
+
+EXIT_WORDS: Dict[int, str] = {
+    EXIT_OK: "success",
+    EXIT_CHECK_FAILED: "the check ran and said no",
+    EXIT_ERROR: "bad input, a failed step or a refusal: the message says which and what to do "
+                "(disk full included); an earlier run in the folder is unchanged",
+    EXIT_MISMATCH: "the artifact does not compute what eager PyTorch computes (verification failed)",
+    EXIT_KEPT_ASIDE: "finished, but kept in RUN_DIR/attempts/ because the run already there had passed stages "
+                     "this attempt did not (e.g. a CPU-only export over a verified run); --force replaces it",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C or SIGTERM): the attempt's report is kept, an earlier run is unchanged",
+}
+
+
+def exit_status_help(codes: Sequence[int], words: Optional[Dict[int, str]] = None) -> str:
+    """The ``exit status`` paragraph of a command's ``--help`` (``words`` overrides the common wording)."""
+    words = {**EXIT_WORDS, **(words or {})}
+    return "exit status:\n" + "\n".join(f"  {code:<4d}{words[code]}" for code in codes)
 
 
 class ZooError(Exception):
     """A failure the user can act on. ``hint`` says what to do; ``exit_code`` is what the CLI returns."""
 
-    exit_code = 2
+    exit_code = EXIT_ERROR
 
     def __init__(self, message: str, hint: Optional[str] = None):
         super().__init__(message)
@@ -54,7 +80,7 @@ class NoGpuError(ZooError):
 class VerificationFailed(ZooError):
     """The artifact does not compute what eager PyTorch computes, within the recipe's tolerances."""
 
-    exit_code = 3
+    exit_code = EXIT_MISMATCH
 
 
 class PublishRefused(ZooError):
@@ -73,6 +99,29 @@ class RuntimeCallFailed(ZooError):
     """ExecuTorch's C++ runtime could not load the artifact or a call failed; its log says why."""
 
 
+class StorageError(ZooError):
+    """The machine could not write (or read) a file: disk full, quota, read-only, permissions, I/O error."""
+
+
+# errno values that mean "the machine's storage refused", not "zoo has a bug": they become a StorageError.
+STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG,
+                  errno.EMFILE, errno.ENFILE}
+
+
+def storage_error(exc: BaseException) -> Optional[StorageError]:
+    """The ``StorageError`` an ``OSError`` of the machine's storage stands for; None for any other error."""
+    if not isinstance(exc, OSError) or exc.errno not in STORAGE_ERRNOS:
+        return None
+    where = f" ({exc.filename})" if exc.filename else ""
+    what = exc.strerror or errno.errorcode.get(exc.errno or 0, "error")
+    hints = {errno.ENOSPC: "free disk space (`df -h` shows where), or write the run to another disk with "
+                           "--output-dir, then run the command again",
+             errno.EDQUOT: "your disk quota is used up: free space or write elsewhere with --output-dir",
+             errno.EROFS: "the folder is on a read-only file system: choose another one with --output-dir"}
+    return StorageError(f"the machine could not write a file: [Errno {exc.errno}] {what}{where}",
+                        hints.get(exc.errno or 0, "check the folder's permissions and the disk, then run again"))
+
+
 class RunnerError(ZooError):
     """zoo.runner cannot drive this artifact with this input: a missing run-folder file, an unknown processor
     step, an observation or option the policy's own code would treat differently than the runner can."""
@@ -81,7 +130,7 @@ class RunnerError(ZooError):
 class PolicyCheckFailed(ZooError):
     """The runner's actions differ from the LeRobot policy's own, beyond the recipe's policy_check tolerance."""
 
-    exit_code = 3
+    exit_code = EXIT_MISMATCH
 
 
 def first_line(error: Union[BaseException, str], limit: Optional[int] = None) -> str:

@@ -24,13 +24,13 @@ after it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
 from torch.export import ExportedProgram
 
 from . import audit, lowering, preflight
 from .artifact import PTD_NAME, PTE_NAME
-from .errors import KernelPreflightRefused, LoweringError, NoGpuError, VerificationFailed, first_line
+from .errors import KernelPreflightRefused, LoweringError, NoGpuError, VerificationFailed, ZooError, first_line
 from .manifest import write_manifest
 from .policy_check import policy_check_step
 from .preflight import PreflightResult
@@ -49,12 +49,13 @@ def run_gpu_steps(run: RunFolder, recipe, report: RunReport, *, lower: bool = Tr
     Failures are recorded as their stage's and raised; recording the run as failed is the caller's."""
     runtimes = choose_runtimes(recipe.verify.runtimes) if verify else None
     if lower:
-        files = program_files(run, recipe.unit.methods)
+        files = read_or_fail_preflight(report, lambda: program_files(run, recipe.unit.methods))
         try:
             lowering.cuda_device_info()
         except NoGpuError as exc:
             # Nothing lowers here: the kernel preflight still tells now whether the lowering would be refused.
-            preflight_step(saved_programs(run, recipe.unit.methods), recipe, report)
+            programs = read_or_fail_preflight(report, lambda: saved_programs(run, recipe.unit.methods))
+            preflight_step(programs, recipe, report)
             for stage in GPU_STAGES:
                 report.stage(stage, "skipped", None, exc.message)
             raise
@@ -64,10 +65,23 @@ def run_gpu_steps(run: RunFolder, recipe, report: RunReport, *, lower: bool = Tr
         verify_step(run, recipe, report, runner_factory=runner_factory, runtimes=runtimes, audited=audited)
         # The artifact driven as the policy drives its model, against LeRobot's own select_action on the GPU.
         policy_check_step(run, recipe, report, where="gpu")
+    else:  # recorded, so that an unverified artifact never counts as one that passed verification
+        report.stage("verify", "skipped", None, "not asked for (--no-verify)")
     report.record("status", "verified" if verify else "lowered")
     if verify:
         # Only a verified artifact gets a manifest, and publishing refuses a run without one.
         write_manifest(run, report)
+
+
+def read_or_fail_preflight(report: RunReport, read: Callable[[], Any]) -> Any:
+    """``read()`` the saved programs; a missing or damaged one fails the preflight, the first stage to read
+    them (recorded, then raised)."""
+    try:
+        return read()
+    except ZooError as exc:
+        report.stage("preflight", "failed", None, first_line(exc, limit=160))
+        report.record("failed_stage", "preflight")
+        raise
 
 
 def program_files(run: RunFolder, methods: Sequence[str], kind: str = "rewritten") -> Dict[str, Path]:
@@ -107,7 +121,10 @@ def lower_step(programs: Mapping[str, Union[ExportedProgram, Path]], run: RunFol
     ``lowering.lower_to_pte``). With ``preflight``, the kernel preflight runs inside each method's lowering,
     on its edge program, and is recorded as its own stage; a refusal fails that stage and nothing compiles."""
     try:
-        with timed_stage(report, "lower", f"lower to {PTE_NAME} + {PTD_NAME} (ExecuTorch CUDA backend)") as facts:
+        # The start line says the kernel preflight runs here too: on a GPU machine it has no stage start of its own.
+        label = f"lower to {PTE_NAME} + {PTD_NAME} (ExecuTorch CUDA backend" + (
+            "; kernel preflight first, on each method's edge program)" if preflight else ")")
+        with timed_stage(report, "lower", label) as facts:
             lowered = lowering.lower_to_pte(programs, run, recipe, run_preflight=preflight, **options)
             if lowered.preflight is not None:
                 result = PreflightResult.from_dict(lowered.preflight)

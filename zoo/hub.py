@@ -8,15 +8,17 @@ here only the files are fetched and the folder checked to look like a checkpoint
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 from . import policies, tiny_hub
 from .errors import PullError, first_line
 from .hub_cache import hub_environment, put_in_cache
-from .progress import say
+from .progress import bars_on, on_terminal, say
 
 # A checkpoint folder has its config and its weights, single-file or sharded with an index.
 CONFIG_FILE = "config.json"
@@ -91,8 +93,9 @@ def snapshot(repo_id: str, revision: str, allow_patterns=None) -> Path:
     try:
         # Offline, ask for local files only: huggingface_hub otherwise wants a cached tree listing for a
         # pinned commit, which snapshots copied in by hand (or fabricated) do not have.
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns,
-                                      local_files_only=offline))
+        with download_bars():
+            return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns,
+                                          local_files_only=offline))
     except GatedRepoError as exc:
         raise PullError(f"{what} is gated: the Hub answered {_hub_answer(exc)}",
                         f"accept the license on https://huggingface.co/{repo_id} and log in "
@@ -120,6 +123,24 @@ def snapshot(repo_id: str, revision: str, allow_patterns=None) -> Path:
             raise
         raise PullError(f"{what} could not be fetched: network error {type(exc).__name__}: {exc}",
                         offline_hint()) from exc
+
+
+@contextlib.contextmanager
+def download_bars() -> Iterator[None]:
+    """huggingface_hub's per-file download bars on a terminal; none in a log (they would fill it with \\r)."""
+    if bars_on():
+        with on_terminal():
+            yield
+        return
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
+    was_disabled = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            enable_progress_bars()
 
 
 def checkpoint_into_cache(recipe, cache_dir: Path) -> Dict[str, str]:
@@ -179,6 +200,31 @@ def check_checkpoint_folder(path: Path, label: str, local: bool) -> None:
                         f"(it has: {', '.join(have) or 'nothing'})",
                         "point the recipe at a checkpoint saved with save_pretrained (config.json + "
                         "model.safetensors)" + ("" if local else "; check source.allow_patterns"))
+    redo = ("restore the folder from its source" if local else
+            "remove it from the Hub cache and pull again (or `hf download REPO --force-download`)")
+    for weights in sorted(path.glob("*.safetensors")):
+        check_safetensors(weights, redo)
+
+
+def check_safetensors(path: Path, redo: str) -> None:
+    """Refuse a truncated or foreign ``.safetensors`` file now, from its header alone (a few bytes read), rather
+    than minutes later when the policy loads it: the header's tensors must end within the file."""
+    size = path.stat().st_size
+    hint = f"the file is incomplete or damaged (an interrupted download or copy): {redo}"
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if header_len < 2 or 8 + header_len > size:
+            raise PullError(f"{path} is truncated or not a safetensors file ({size} bytes; its header cannot be "
+                            "read)", hint)
+        try:
+            header = json.loads(fh.read(header_len))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise PullError(f"{path} is not a readable safetensors file: its header is damaged ({exc})", hint) from None
+    if 8 + header_len + end > size:
+        raise PullError(f"{path} is truncated: its header places tensor data up to byte {8 + header_len + end}, "
+                        f"the file has {size} bytes", hint)
 
 
 def _network_error(exc: BaseException) -> bool:

@@ -54,16 +54,25 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 from torch.export import ExportedProgram
 
-from .artifact import PTD_NAME, PTE_NAME, SO_SUFFIX, WEIGHTS_SUFFIX, ensure_flatc, extract_method_files
+from .artifact import (
+    PTD_NAME,
+    PTE_NAME,
+    SO_SUFFIX,
+    WEIGHTS_SUFFIX,
+    ensure_flatc,
+    extract_method_files,
+    weights_file_name,
+)
 from .assemble import assemble_program
 from .constant_plan import ConstantPlan, inductor_follows_plan, plan_constants, plan_values
 from .environ import environ_restored
 from .errors import LoweringError, NoGpuError, ZooError, first_line
 from .lowering_workers import LoweredMethod, MethodJob, MethodPart, choose_workers, lower_in_process, lower_in_workers
 from .preflight import PreflightResult, require_kernels
+from .progress import Progress
 from .progress import say as default_say
 from .report import format_table
-from .run_folder import RunFolder
+from .run_folder import RunFolder, read_program
 from .runtimes import compile_specs
 
 DEFAULT_INDUCTOR_CACHE = Path.home() / ".cache" / "zoo" / "inductor"
@@ -410,7 +419,7 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
     failed = True
     try:
         mark = time.perf_counter()
-        in_memory = {m: p if isinstance(p, ExportedProgram) else torch.export.load(str(p))
+        in_memory = {m: p if isinstance(p, ExportedProgram) else read_program(Path(p))
                      for m, p in programs.items()}
         plan = plan_constants(in_memory)
         plan_record = plan_decision(plan, len(methods))
@@ -428,16 +437,18 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
             jobs = [MethodJob(m, in_memory[m] if consume or not isinstance(programs[m], ExportedProgram)
                               else copy.deepcopy(in_memory[m]), options) for m in methods]
             del in_memory
-            parts = lower_in_process(jobs, method_lowering.function, work / "methods",
-                                     pythonpath=method_lowering.pythonpath, say=say)
+            with Progress("lower", len(methods), unit="method") as bar:
+                parts = lower_in_process(jobs, method_lowering.function, work / "methods",
+                                         pythonpath=method_lowering.pythonpath, say=say, bar=bar)
             del jobs
         else:
             del in_memory  # the parent's copies go before the workers load theirs
             files, saved = _program_files(programs, work / "programs", stage_seconds)
             jobs = [MethodJob(m, files[m], options) for m in methods]
             env = {"PYTHONPATH": os.pathsep.join(method_lowering.pythonpath)} if method_lowering.pythonpath else None
-            parts = lower_in_workers(jobs, method_lowering.function, work / "methods", max_workers=count, env=env,
-                                     say=say)
+            with Progress("lower", len(methods), unit="method") as bar:
+                parts = lower_in_workers(jobs, method_lowering.function, work / "methods", max_workers=count,
+                                         env=env, say=say, bar=bar)
             for path in saved:  # disk: at real size each is ~10 GB, and the workers are done with them
                 path.unlink()
         stage_seconds["methods"] = compile_seconds = round(time.perf_counter() - mark, 3)
@@ -492,7 +503,7 @@ def _program_files(programs: Mapping[str, Union[ExportedProgram, Path]], folder:
     for method, program in programs.items():
         if isinstance(program, ExportedProgram):
             folder.mkdir(parents=True, exist_ok=True)
-            files[method] = folder / f"{method}.pt2"
+            files[method] = RunFolder(folder).program("rewritten", method)  # a scratch folder, run-folder names
             torch.export.save(program, str(files[method]))
             saved.append(files[method])
         else:
@@ -537,7 +548,7 @@ def _assemble(parts: Mapping[str, MethodPart], run: RunFolder, stage_seconds: Di
             output_order=order["output_order"], mutable_buffers=order.get("mutable_buffers", {}),
             seconds=round(part.seconds, 3), stage_seconds=dict(part.record.get("seconds", {})),
             constants=dict(part.record.get("constants", {})),
-            shares_weights_with=(entry["shares_weights_with"] or "").replace(".weights.blob", "") or None)
+            shares_weights_with=(entry["shares_weights_with"] or "").removesuffix(weights_file_name("")) or None)
     summary = assembled.data_files.get(PTD_NAME)
     return methods, summary.as_dict() if summary is not None else None
 

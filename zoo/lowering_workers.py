@@ -39,7 +39,9 @@ from . import atomic, errors
 from .artifact import PTE_NAME, ensure_flatc
 from .assemble import AssembledProgram, ProgramPart, assemble_program
 from .errors import LoweringError
+from .progress import Progress
 from .progress import say as default_say
+from .run_folder import read_program
 from .sampling_profiler import SamplingProfiler
 
 ENV_MAX_WORKERS = "ZOO_LOWERING_WORKERS"
@@ -164,9 +166,10 @@ class _Running:
 def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *,
                      max_workers: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
                      say: Callable[[str], None] = default_say, heartbeat_s: float = 60.0,
-                     poll_s: float = 0.2) -> Dict[str, MethodPart]:
+                     poll_s: float = 0.2, bar: Optional[Progress] = None) -> Dict[str, MethodPart]:
     """Lower every job's method in its own worker process, at most ``max_workers`` at a time.
 
+    ``bar`` (a ``zoo.progress.Progress`` over the methods) names the methods running and counts each one done.
     Returns the parts in job order. Raises the failed method's error (after stopping the other workers) if any
     worker fails; nothing is assembled then.
     """
@@ -197,6 +200,8 @@ def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
                 running[job.method] = _start(job, function, work_dir, worker_env)
                 say(f"lowering {job.method}: worker {running[job.method].process.pid} started "
                     f"(log {running[job.method].log})")
+                if bar is not None:
+                    bar.begin(", ".join(running))
             for method, run in list(running.items()):
                 code = run.process.poll()
                 if code is None:
@@ -208,6 +213,9 @@ def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
                     raise _worker_error(run, code)
                 parts[method] = _collect(run, seconds)
                 say(f"lowering {method}: done in {seconds:.1f} s")
+                if bar is not None:
+                    bar.advance()
+                    bar.begin(", ".join(running))
             if running and time.monotonic() - last_beat >= heartbeat_s:
                 now = time.monotonic()
                 say("lowering: " + ", ".join(f"{m} running {now - r.started:.0f} s" for m, r in running.items())
@@ -232,16 +240,14 @@ def lower_and_assemble(jobs: Sequence[MethodJob], function: str, work_dir: Path,
 
 
 def lower_in_process(jobs: Sequence[MethodJob], function: str, work_dir: Path, *,
-                     pythonpath: Sequence[str] = (), say: Callable[[str], None] = default_say
-                     ) -> Dict[str, MethodPart]:
+                     pythonpath: Sequence[str] = (), say: Callable[[str], None] = default_say,
+                     bar: Optional[Progress] = None) -> Dict[str, MethodPart]:
     """The same lowering in this process, one method after another, leaving the same parts as the workers.
 
     For debugging (a breakpoint in the lowering, one traceback) and for one method. A job's ``program`` may be
     the program itself (it is handed to the function as it is: the caller copies it first if it must stay
     unchanged) or a ``.pt2`` file, loaded when its turn comes. An error propagates as it is raised.
     """
-    import torch
-
     if not jobs:
         raise LoweringError("no methods to lower", "the unit names its methods in unit.methods")
     ensure_flatc()  # writing a .pte with external data runs flatc, as in a worker
@@ -256,13 +262,17 @@ def lower_in_process(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
         folder = _fresh_folder(Path(work_dir), job.method)
         start = time.monotonic()
         say(f"lowering {job.method} in this process")
-        program = torch.export.load(str(job.program)) if isinstance(job.program, (str, Path)) else job.program
+        if bar is not None:
+            bar.begin(job.method)
+        program = read_program(Path(job.program)) if isinstance(job.program, (str, Path)) else job.program
         lowered = lower(job.method, program, dict(job.options))
         del program
         _write_part(folder, job.method, lowered, job_function=function, seconds=time.monotonic() - start)
         parts[job.method] = _collect(_Running(job=job, folder=folder, log=None, process=None, started=start),
                                      time.monotonic() - start)
         say(f"lowering {job.method}: done in {parts[job.method].seconds:.1f} s")
+        if bar is not None:
+            bar.advance()
     return parts
 
 
@@ -378,12 +388,10 @@ def run_worker(job_path: Path) -> int:
     profiling = (SamplingProfiler(Path(profile_dir) / f"{method}.profile.txt", title=f"lowering {method}")
                  if profile_dir else contextlib.nullcontext())
     try:
-        import torch
-
         ensure_flatc()
         function = resolve_function(job["function"])
         with profiling:
-            program = torch.export.load(job["program"])
+            program = read_program(Path(job["program"]))
             lowered = function(method, program, dict(job.get("options") or {}))
             del program
             _write_part(folder, method, lowered, job_function=job["function"], seconds=time.perf_counter() - start)
@@ -391,6 +399,7 @@ def run_worker(job_path: Path) -> int:
         return 0
     except BaseException as exc:  # every failure, KeyboardInterrupt included, is reported to the parent
         traceback.print_exc()
+        exc = errors.storage_error(exc) or exc  # a full disk is the user's to fix: the parent says so plainly
         atomic.write_json(folder / "error.json", {
             "method": method, "type": type(exc).__name__, "module": type(exc).__module__,
             "message": getattr(exc, "message", None) or str(exc) or type(exc).__name__,

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 from . import __version__, atomic
 from .errors import PublishRefused
 from .model_card import resolve_license
+from .progress import steps
 from .report import RunReport
 from .run_folder import ARTIFACT_FILES, MANIFEST_JSON, RunFolder
 
@@ -188,7 +189,7 @@ def check_files(run_dir: Union[RunFolder, Path], manifest: Mapping[str, Any]) ->
     present = set(artifact_files(run_dir))
     problems = [f"{rel}: listed in {MANIFEST_JSON} but missing" for rel in sorted(set(listed) - present)]
     problems += [f"{rel}: present but not in {MANIFEST_JSON}" for rel in sorted(present - set(listed))]
-    for rel in sorted(present & set(listed)):
+    for rel in steps(sorted(present & set(listed)), "check file hashes", unit="file"):
         actual = sha256_file(run_dir / rel)
         if actual != listed[rel].get("sha256"):
             problems.append(f"{rel}: sha256 {actual} differs from {MANIFEST_JSON}'s {listed[rel].get('sha256')}")

@@ -4,15 +4,17 @@
     recipe -> pull -> build unit -> export -> rewrite -> CPU check -> save -> policy check (CPU steps, here)
            -> preflight -> lower -> audit -> verify -> policy check on the GPU -> manifest (GPU steps, zoo.gpu_steps)
 
-``run_pipeline`` is ``python -m zoo.export``. Everything is written into a staging folder next to the run folder
-(``.<name>.partial-<pid>``) and moved into place at the end, so a run folder never holds a half-written run:
-after a success it holds the whole run, after a failure (or Ctrl-C) only ``report.json``/``report.md`` (naming
-the failed stage and the error) and the resolved ``recipe.yaml``. Either way it replaces what the folder held
-before. The GPU steps read the saved rewritten programs back from the folder, exactly as
-``python -m zoo.lower RUN_DIR`` does on a GPU machine later; without a CUDA device they are recorded as
-skipped, with how to run them.
+``run_pipeline`` is ``python -m zoo.export``; ``lower_run`` is ``python -m zoo.lower RUN_DIR``, the GPU steps on a
+saved run folder, continuing its report. Each is one ``zoo.run_folder.Attempt``: written into a staging folder
+beside the run folder, with its log (``export.log`` / ``lower.log``: dependency warnings go there, not to the
+terminal), and put in place at the end only if the folder holds no good run yet or the attempt finished and
+passed at least every stage the run there had passed (``force`` waives the second for a finished attempt). A
+failed, interrupted or lesser attempt goes to ``RUN_DIR/attempts/<time>-<status>/`` and the earlier run stays
+byte for byte as it was. The family refuses a recipe it cannot build before anything is fabricated, downloaded
+or written (``zoo.policies.check_recipe``).
 
-``lower_run`` is ``python -m zoo.lower RUN_DIR``: the GPU steps on a saved run folder, continuing its report.
+The GPU steps read the saved rewritten programs back from the folder, exactly as ``python -m zoo.lower RUN_DIR``
+does on a GPU machine later; without a CUDA device they are recorded as skipped, with how to run them.
 """
 
 from __future__ import annotations
@@ -28,57 +30,71 @@ from torch.export import ExportedProgram
 
 from . import exporting, gpu_steps, hub, policies, rewrites, tiny_hub
 from .cpu_check import cpu_check, summary_detail
-from .errors import LoweringError, NoGpuError, RewriteDeclined, ZooError
+from .environ import zoo_command
+from .errors import LoweringError, NoGpuError, RewriteDeclined, StorageError, ZooError
 from .policies.base import ExportUnit
 from .policy_check import not_applicable, policy_check_step, record_skip
-from .progress import say
-from .report import RunReport, record_failure, timed_stage
+from .progress import run_log, say
+from .report import FINISHED, RunReport, record_failure, timed_stage
 from .rewrites.result import source_line
-from .run_folder import KEPT_ON_FAILURE, RECIPE_YAML, RunFolder
+from .run_folder import ARTIFACT_OUTPUTS, RECIPE_YAML, Attempt, Placement, RunFolder
 from .verify_backends import choose_runtimes
 
 NO_GPU_DETAIL = "needs a CUDA GPU; this machine has none"
+
+# What a new lowering (or verification) of a saved run makes stale in its report.
+GPU_SECTIONS = ("preflight", "lowering", "audit", "verification", "skipped")
+REDONE_BY_LOWER = ("preflight", "lower", "audit", "verify")
+REDONE_BY_VERIFY = ("audit", "verify")
+ATTEMPT_SECTIONS = ("status", "failed_stage", "error", "next", "placement", "finished", "run_dir")
 
 
 # --------------------------------------------------------------------------------------------------------
 # The whole run
 
 
-def run_pipeline(recipe, run_dir: Path, overrides: Sequence[str] = ()) -> RunReport:
-    """Run every step for ``recipe`` into ``run_dir``. Returns the report; a failure is recorded in the run
-    folder's report and re-raised (a ``ZooError`` the CLI prints, or ``KeyboardInterrupt``)."""
-    # A verification runtime the recipe names but this machine cannot run is refused before any work is done.
+def run_pipeline(recipe, run_dir: Path, overrides: Sequence[str] = (), *, force: bool = False,
+                 command: Optional[str] = None, verbose: bool = False) -> RunReport:
+    """Run every step for ``recipe`` as one attempt at ``run_dir``. Returns the report (its ``placement``
+    section says whether the attempt is the run folder now). A failure is recorded in the attempt's report and
+    re-raised (a ``ZooError`` the CLI prints, or ``KeyboardInterrupt``) with ``zoo_report`` and
+    ``zoo_placement`` attached."""
+    # Refused before anything is fabricated, downloaded or written: a recipe the family cannot build, and a
+    # verification runtime the recipe names but this machine cannot run.
+    policies.check_recipe(recipe)
     choose_runtimes(recipe.verify.runtimes)
-    run = RunFolder(run_dir).prepare()
-    staging = run.new_staging()
+    attempt = Attempt.begin(run_dir, force=force)
+    run, staging = attempt.run, attempt.staging
+    command = command or zoo_command("zoo.export", [recipe.name, *overrides, "--output-dir", str(run.path)])
     report = RunReport(staging.path, recipe.to_dict())
     report.record("status", "running")
     report.record("overrides", list(overrides))  # the manifest names them beside the resolved recipe
+    report.record("command", command)
+    failure: Optional[BaseException] = None
+    log = None
     try:
-        staging.write_recipe(recipe)
-        with source_environment(recipe, report):
-            checkpoint = pull_step(recipe, staging, report)
-            unit = build_step(checkpoint, recipe, staging, report)
-            programs, reference = export_step(unit, recipe, staging, report)
-            rewritten = rewrite_step(programs, recipe, report)
-            cpu_check_step(unit, rewritten, recipe, report, reference)
-            # The later steps work from the saved files: free the eager unit and the in-memory programs first.
-            del programs, reference, unit
-            save_step(rewritten, recipe, staging, report)
-            del rewritten
-            # The runner over the saved programs against LeRobot's own policy (its Hub repos still in reach).
-            policy_check_step(staging, recipe, report, where="cpu", checkpoint=checkpoint.path)
-        del checkpoint
-        gpu_half(staging, recipe, report, shown=run)
+        with run_log(staging.log_file("export"), verbose) as log:
+            staging.write_recipe(recipe)
+            with source_environment(recipe, report):
+                checkpoint = pull_step(recipe, staging, report)
+                unit = build_step(checkpoint, recipe, staging, report)
+                programs, reference = export_step(unit, recipe, staging, report)
+                rewritten = rewrite_step(programs, recipe, report)
+                cpu_check_step(unit, rewritten, recipe, report, reference)
+                # The later steps work from the saved files: free the eager unit and the in-memory programs first.
+                del programs, reference, unit
+                save_step(rewritten, recipe, staging, report)
+                del rewritten
+                # The runner over the saved programs against LeRobot's own policy (its Hub repos still in reach).
+                policy_check_step(staging, recipe, report, where="cpu", checkpoint=checkpoint.path)
+            del checkpoint
+            gpu_half(staging, recipe, report, shown=run)
     except BaseException as exc:
         record_failure(report, exc)
-        _finish(staging, run, report, keep=KEPT_ON_FAILURE)
-        exc.zoo_report = report  # type: ignore[attr-defined]  # the CLI prints its table
-        raise
-    if report.get("status") == "running":  # the GPU steps say "verified" when they ran
+        failure = exc
+    if failure is None and report.get("status") == "running":  # the GPU steps say "verified" when they ran
         report.record("status", "done")
-    _finish(staging, run, report, keep=None)
-    return report
+    return _finish(attempt, report, failure, command, log)
 
 
 def gpu_half(run: RunFolder, recipe, report: RunReport, shown: Optional[RunFolder] = None) -> None:
@@ -102,31 +118,106 @@ def gpu_half(run: RunFolder, recipe, report: RunReport, shown: Optional[RunFolde
             report.stage(stage, "skipped", detail=NO_GPU_DETAIL)
         record_skip(report, "gpu", not_applicable(recipe) or NO_GPU_DETAIL)
         report.record("skipped", {"stages": list(gpu_steps.GPU_STAGES), "reason": "no CUDA device",
-                                  "later": f"python -m zoo.lower {shown.path}"})
+                                  "later": zoo_command("zoo.lower", [str(shown.path)])})
 
 
 def lower_run(run_dir: Union[RunFolder, Path], overrides: Sequence[str] = (), *, verify: bool = True,
-              lower: bool = True, runner_factory=None) -> RunReport:
-    """Preflight, lower, audit and verify a saved run folder, continuing the report it holds; every outcome is
-    written to that report before returning or raising."""
-    run = RunFolder(run_dir)
-    if not run.recipe_file.exists():
-        raise LoweringError(f"{run.path} is not a zoo run folder (no {RECIPE_YAML})",
+              lower: bool = True, runner_factory=None, force: bool = False, command: Optional[str] = None,
+              verbose: bool = False) -> RunReport:
+    """Preflight, lower, audit and verify a saved run folder as one attempt, continuing the report it holds.
+
+    The attempt is staged beside the run with hard links to the run's files (no copy of the programs), except
+    what it makes anew (the artifact, unless ``lower`` is False). It replaces the run only when it passed at
+    least the stages the run had passed; otherwise (or when it fails) it goes to ``attempts/``. Raises like
+    ``run_pipeline``."""
+    folder = RunFolder(run_dir)
+    if not folder.recipe_file.exists():
+        raise LoweringError(f"{folder.path} is not a zoo run folder (no {RECIPE_YAML})",
                             "pass the folder `python -m zoo.export RECIPE` wrote")
-    recipe = run.load_recipe(overrides)
-    report = run.read_report()
+    recipe = folder.load_recipe(overrides)  # a bad override is refused before anything is written
+    report = folder.read_report()  # the report this attempt continues (a damaged one is refused here)
+    if verify:  # a verification runtime this machine cannot run is refused before anything is written
+        choose_runtimes(recipe.verify.runtimes)
+    attempt = Attempt.begin(folder, force=force, seed=True, rebuilt=ARTIFACT_OUTPUTS if lower else (),
+                            keep_on_failure=None)
+    run, staging = attempt.run, attempt.staging
+    options = [*overrides] + ([] if verify else ["--no-verify"]) + ([] if lower else ["--verify-only"])
+    command = command or zoo_command("zoo.lower", [str(run.path), *options])
+    report.run_dir = staging.path
     if report.get("recipe") is None:
         report.record("recipe", recipe.to_dict())
-    for stale in ("failed_stage", "error"):  # the report describes this attempt, not an earlier one's failure
-        report.data.pop(stale, None)
+    _forget_what_is_redone(report, REDONE_BY_LOWER if lower else REDONE_BY_VERIFY)
+    report.record("command", command)
+    failure: Optional[BaseException] = None
+    log = None
     try:
-        gpu_steps.run_gpu_steps(run, recipe, report, lower=lower, verify=verify, runner_factory=runner_factory)
+        with run_log(staging.log_file("lower"), verbose) as log:
+            if overrides:
+                staging.write_recipe(recipe)  # the folder records the recipe its artifact was made with
+                report.record("overrides", list(report.get("overrides") or []) + list(overrides))
+            gpu_steps.run_gpu_steps(staging, recipe, report, lower=lower, verify=verify,
+                                    runner_factory=runner_factory)
     except BaseException as exc:
         record_failure(report, exc)
-        raise
-    finally:
-        run.write_report(report)
+        failure = exc
+    return _finish(attempt, report, failure, command, log)
+
+
+def _forget_what_is_redone(report: RunReport, stages: Sequence[str]) -> None:
+    """The report describes this attempt: stages it runs again, and their sections, are dropped first."""
+    report.data["stages"] = [s for s in report.stages if s["stage"] not in stages]
+    sections = ATTEMPT_SECTIONS + (GPU_SECTIONS if "lower" in stages else ("audit", "verification"))
+    for section in sections:
+        report.data.pop(section, None)
+
+
+def _finish(attempt: Attempt, report: RunReport, failure: Optional[BaseException], command: str,
+            log) -> RunReport:
+    """Put the attempt where it belongs, tell the user where its dependency output went, and raise the failure
+    (or a report that could not be written) with the report and placement attached."""
+
+    def record_next(placement: Placement) -> None:
+        report.record("next", next_step(report, placement, command))
+
+    if failure is not None:
+        attempt.relabel_error(failure)
+
+    placement = attempt.finish(report, failed=failure is not None, on_decided=record_next)
+    if log is not None and log.captured and not placement.write_error:
+        say(f"{log.captured} line(s) of dependency output (warnings, library logs) are in "
+            f"{placement.folder / log.path.name}")
+    if failure is None and placement.write_error:
+        failure = StorageError(placement.write_error, "free disk space and run the command again")
+    if failure is not None:
+        failure.zoo_report = report  # type: ignore[attr-defined]  # the CLI prints its table
+        failure.zoo_placement = placement  # type: ignore[attr-defined]
+        raise failure
     return report
+
+
+def next_step(report: RunReport, placement: Placement, command: str) -> Dict[str, str]:
+    """The exact command a person runs next, and why."""
+    status = report.get("status")
+    run = str(placement.folder)
+    if status == "interrupted":
+        return {"command": command, "why": "to run it again"}
+    if status not in FINISHED:
+        return {"command": command, "why": "once the error above is fixed"}
+    if not placement.placed:
+        forced = command if " --force" in command else f"{command} --force"
+        return {"command": forced, "why": f"to replace the earlier run with this attempt (kept in {run})"}
+    skipped = report.get("skipped")
+    if status == "done" and skipped:
+        return {"command": zoo_command("zoo.lower", [run]), "why": "on a machine with an NVIDIA GPU: "
+                                                                    + ", ".join(skipped["stages"])}
+    if status == "lowered":
+        return {"command": zoo_command("zoo.lower", [run, "--verify-only"]), "why": "to verify the artifact"}
+    if status == "verified":
+        repo = ((report.get("recipe") or {}).get("publish") or {}).get("repo_id")
+        args = [run] + ([] if repo else ["--repo-id", "ORG/NAME"]) + ["--dry-run"]
+        return {"command": zoo_command("zoo.publish", args),
+                "why": "stages the upload and shows the commit; without --dry-run it publishes"}
+    return {}
 
 
 @contextlib.contextmanager
@@ -289,17 +380,6 @@ def io_spec(unit: ExportUnit, recipe) -> Dict[str, Any]:
         "dynamic": {d: {"min": int(r.min), "max": int(r.max)} for d, r in recipe.dynamic.items()},
         "example_sizes": exporting.example_sizes(recipe),
     }
-
-
-def _finish(staging: RunFolder, run: RunFolder, report: RunReport, keep: Optional[Tuple[str, ...]]) -> None:
-    """Write the report into the staging folder, drop all but ``keep`` (on failure), move it into place."""
-    report.record("run_dir", str(run.path))
-    report.record("finished", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    if keep is not None:
-        staging.keep_only(keep)
-    staging.write_report(report)
-    run.replace_with(staging)
-    report.run_dir = run.path
 
 
 def _as_record(result: Any) -> Any:

@@ -32,7 +32,7 @@ import torch
 
 from . import hub, policies, tiny_hub
 from .errors import PolicyCheckFailed, PullError
-from .progress import say
+from .progress import Progress, say
 from .report import RunReport, timed_stage
 from .run_folder import RunFolder
 from .runner import load as load_runner
@@ -99,19 +99,26 @@ def check_run(run: RunFolder, recipe, checkpoint: Path, *, backend: str = "eager
                                bf16_factor=check.tolerance.bf16_factor,
                                bf16_min_cosine=check.tolerance.bf16_min_cosine)
     precision = full_fp32_precision() if device != "cpu" else contextlib.nullcontext()
-    with precision, tempfile.TemporaryDirectory(prefix="zoo-policy-check-") as tmp:
+    # Past 10 s a bar shows which episode runs: LeRobot's (and its float32 one for bf16), then the runner's.
+    with precision, tempfile.TemporaryDirectory(prefix="zoo-policy-check-") as tmp, \
+            Progress("policy check", 3 if low_precision else 2, unit="episode") as bar:
+        bar.begin("LeRobot's select_action")
         policy, pre, post = _lerobot_policy(family, checkpoint, recipe, device)
         # The runner reads the task's embedding from a prompt file, as a deployed runner does.
         prompt = family.embed_prompt(policy, check.task).save(Path(tmp) / "task.safetensors")
         reference_low = run_episode(ProcessedPolicy(policy, pre, post), observations, check.seed)
+        bar.advance()
         del policy, pre, post
         expected = reference_low
         if low_precision:  # the bf16 rule's float32 reference: LeRobot's policy in float32, same checkpoint
+            bar.begin("LeRobot's select_action in float32")
             recipe32 = copy.deepcopy(recipe)
             recipe32.unit.dtype = "float32"
             policy, pre, post = _lerobot_policy(family, checkpoint, recipe32, device)
             expected = run_episode(ProcessedPolicy(policy, pre, post), observations, check.seed)
+            bar.advance()
             del policy, pre, post
+        bar.begin(f"the {backend} runner")
         runner = load_runner(run, backend=backend, device=device)
         try:
             runner.load_prompt(prompt)
@@ -119,6 +126,7 @@ def check_run(run: RunFolder, recipe, checkpoint: Path, *, backend: str = "eager
                                      min_chunks=check.chunks, reference_low=reference_low if low_precision else None)
         finally:
             runner.close()
+        bar.advance()
     result.notes.append(f"{len(observations)} observations: seeded synthetic (seed {check.seed}) from the policy's "
                         f"input features; task {check.task!r}")
     return result

@@ -6,19 +6,23 @@ folder (``RUN_DIR/publish/``) and prints the commit it would make. The work is `
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Optional, Sequence
 
+from . import cli
 from .artifact import PTD_NAME, PTE_NAME
-from .cli import guarded
 from .publishing import publish_run
 from .run_folder import MANIFEST_JSON, REPORT_JSON
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zoo.publish",
-                                     description="Publish a verified zoo run folder to the Hugging Face Hub.")
+    parser = cli.parser("python -m zoo.publish", "Publish a verified zoo run folder to the Hugging Face Hub.",
+                        [cli.EXIT_OK, cli.EXIT_ERROR, cli.EXIT_INTERRUPTED],
+                        {cli.EXIT_OK: "published (or, with --dry-run, staged in RUN_DIR/publish/)",
+                         cli.EXIT_ERROR: "refused: the run is not verified, a file changed since verification "
+                                         "(damaged, truncated or swapped), no token, or the Hub said no; "
+                                         "the run folder and an earlier publish/ are unchanged",
+                         cli.EXIT_INTERRUPTED: "interrupted: the run folder and an earlier publish/ are unchanged"})
     parser.add_argument("run_dir", help=f"the run folder ({PTE_NAME}, {PTD_NAME}, {REPORT_JSON}, {MANIFEST_JSON})")
     parser.add_argument("--repo-id", help="ORG/NAME on the Hub (default: the recipe's publish.repo_id)")
     parser.add_argument("--revision", help="branch to commit to (created if missing; default main)")
@@ -33,7 +37,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(plan.describe())
         return 0
 
-    return guarded(command)
+    return cli.guarded(command)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ Order of work: refuse an unverified run; re-hash every file against manifest.jso
 (before any network call); stage the exact folder that will be uploaded under ``RUN_DIR/publish/``; then,
 through huggingface_hub's own API, create the repo (and branch) if needed and make one commit holding every
 staged file. ``--dry-run`` stops after staging and prints the commit it would make.
+
+``publish/`` is built beside itself and swapped into place whole (``zoo.atomic.atomic_folder``): a failed,
+interrupted or killed staging leaves the one before as it was, and nothing else in the run folder is written.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from . import atomic
 from .errors import PublishRefused
 from .manifest import check_files, public_section, read_manifest, sha256_file
 from .model_card import audit_rows, human_size, render_card, row_output
+from .progress import say, steps
 from .report import format_table
 from .run_folder import MANIFEST_JSON, REPORT_JSON, RunFolder
 
@@ -161,19 +165,15 @@ def stage(run_dir: Path, manifest: Mapping[str, Any], repo_id: str) -> List[Stag
     """Build ``RUN_DIR/publish/`` (replacing an older one whole): artifact files, manifest.json, README.md."""
     run = RunFolder(run_dir)
     final = run.publish_dir
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        for rel in manifest["files"]:
+    say(f"staging {final} ({len(manifest['files'])} files, the model card and the manifest) ...")
+    with atomic.atomic_folder(final) as tmp:
+        for rel in steps(list(manifest["files"]), "stage publish/", unit="file"):
             _place(run.path / rel, tmp / rel)
         _place(run.manifest_file, tmp / MANIFEST_JSON)
         atomic.write_text(tmp / README, render_card(manifest, run.read_io_spec(), run.read_host_settings(), repo_id))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     staged = []
-    for path in sorted(p for p in final.rglob("*") if p.is_file()):
+    files = sorted(p for p in final.rglob("*") if p.is_file())
+    for path in steps(files, "hash staged files", label=lambda p: p.name, unit="file"):
         staged.append(StagedFile(path.relative_to(final).as_posix(), path, path.stat().st_size, sha256_file(path)))
     return staged
 
@@ -251,5 +251,6 @@ def publish_run(run_dir, repo_id: Optional[str], revision: Optional[str] = None,
                        dry_run=dry_run, **_commit_text(manifest))
     plan.files = stage(run_dir, manifest, repo_id)
     if not dry_run:
+        say(f"committing {len(plan.files)} files to {repo_id} ...")
         push(plan, token, api)  # type: ignore[arg-type]
     return plan

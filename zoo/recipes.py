@@ -28,6 +28,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from . import policies
 from .errors import RecipeError
+from .progress import warn
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
@@ -286,9 +287,8 @@ class Recipe:
             notes.append(f"local checkpoint {src.local_dir}")
         if self.dynamic:
             notes.append("dynamic " + ", ".join(f"{d} {r.min}..{r.max}" for d, r in self.dynamic.items()))
-        if self.description:
-            first = " ".join(self.description.split()).split(": ")[0].split(". ")[0]
-            notes.append(first if len(first) <= 60 else first[:57].rstrip() + "...")
+        if self.description:  # its first sentence, whole: `zoo list` wraps it
+            notes.append(" ".join(self.description.split()).split(": ")[0].split(". ")[0])
         return {"name": self.name, "family": self.family, "hub": hub, "methods": ", ".join(self.unit.methods),
                 "dtype": self.unit.dtype, "notes": "; ".join(notes)}
 
@@ -335,8 +335,10 @@ def load_recipe(name_or_path: str, overrides: Sequence[str] = (), recipes_dir: P
     if OmegaConf.is_missing(merged, "name"):
         merged.name = path.stem
     elif check_name and merged.name != path.stem:
-        raise RecipeError(f"recipe file {path} says name: {merged.name!r}",
-                          f"a recipe's name is its file name: set name: {path.stem} or remove the key")
+        # A recipe copied under a new file name keeps working: its name is the file name.
+        warn(f"recipe file {path} says name: {merged.name}; its name is its file name, {path.stem} "
+             f"(remove the name: key or set it to {path.stem})")
+        merged.name = path.stem
     for item in overrides:
         merged = _apply_override(merged, item, options)
     try:

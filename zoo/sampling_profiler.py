@@ -203,7 +203,12 @@ def _table(title: str, counts: Counter, samples: int, interval: float, top: int)
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run a Python script (``runpy``, as ``python SCRIPT ARGS`` would) under the sampler."""
-    parser = argparse.ArgumentParser(prog="python -m zoo.sampling_profiler", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m zoo.sampling_profiler", description=main.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="exit status:\n  the script's own (its SystemExit code; 0 when it returns)\n"
+               "  2   bad arguments to the profiler\n"
+               "  143 ended by SIGTERM (a time limit): the profile sampled so far is written first")
     parser.add_argument("--out", type=Path, required=True, help="the profile text file (rewritten every flush)")
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between samples (default 0.5)")
     parser.add_argument("--flush-every", type=float, default=15.0, help="seconds between rewrites (default 15)")

@@ -41,10 +41,11 @@ from torch.utils import _pytree as pytree
 from . import audit, numerics
 from .aoti_runner import AotiRunner
 from .artifact import extract_method_files, reusable_method_files
-from .errors import NoGpuError, RuntimeCallFailed, VerificationFailed, first_line
+from .errors import NoGpuError, RuntimeCallFailed, VerificationFailed, ZooError, first_line
 from .policies.base import InputSpec
+from .progress import say, steps
 from .report import format_table
-from .run_folder import IO_SPEC_JSON, RunFolder
+from .run_folder import IO_SPEC_JSON, RunFolder, read_program
 from .et_runtime import describe
 from .verify_backends import LABELS, RuntimeChoice, choose_runtimes, executorch_caller
 
@@ -305,7 +306,7 @@ def _eager_module(path: Path, device: str):
     if not path.exists():
         raise VerificationFailed(f"{path} is missing: nothing to verify the artifact against",
                                  "the run folder must hold the programs the export step saved; export again")
-    program = torch.export.load(str(path))
+    program = read_program(path)
     if device != "cpu":
         from torch.export.passes import move_to_device_pass
 
@@ -371,29 +372,32 @@ def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional
         eager = {m: reference("exported", m) for m in methods}
         ref32 = {m: reference("reference_fp32", m) for m in methods} if low_precision else {}
         seen = set()
-        for seed in recipe.verify.seeds:
-            for sizes in cases:
-                for m in methods:
-                    used = {d: sizes[d] for spec in specs[m] for d in spec.shape if isinstance(d, str)}
-                    if (seed, m, tuple(sorted(used.items()))) in seen:
-                        continue
-                    seen.add((seed, m, tuple(sorted(used.items()))))
-                    inputs = [t.to(device) for t in draw_inputs(specs[m], used, seed, m)]
-                    with torch.no_grad(), full_fp32_precision():
-                        want = _flat_tensors(eager[m](*inputs))
-                        want32 = _flat_tensors(ref32[m](*[_to_fp32(t) for t in inputs])) if low_precision else None
-                        got = call(m, inputs)
-                    for c, bound, facts in compare_outputs(output_names[m], got, want, recipe.verify.tolerance,
-                                                           ref_fp32=want32):
-                        rows.append(Row(runtime=runtime, method=m, seed=seed, sizes=used, output=c.name,
-                                        shape=list(c.shape), dtype=c.dtype, max_abs=c.max_abs, rel_l2=c.rel_l2,
-                                        cosine=c.cosine, tolerance=bound, ok=c.ok, why=c.why,
-                                        reference=facts.get("reference", "eager"),
-                                        eager_rel_l2=facts.get("eager_rel_l2"), vs_eager=facts.get("vs_eager")))
+        calls = [(seed, sizes) for seed in recipe.verify.seeds for sizes in cases]
+        for seed, sizes in steps(calls, f"verify ({runtime})", label=lambda c: f"seed {c[0]} {_sizes_text(c[1])}",
+                                 unit="case"):
+            for m in methods:
+                used = {d: sizes[d] for spec in specs[m] for d in spec.shape if isinstance(d, str)}
+                if (seed, m, tuple(sorted(used.items()))) in seen:
+                    continue
+                seen.add((seed, m, tuple(sorted(used.items()))))
+                inputs = [t.to(device) for t in draw_inputs(specs[m], used, seed, m)]
+                with torch.no_grad(), full_fp32_precision():
+                    want = _flat_tensors(eager[m](*inputs))
+                    want32 = _flat_tensors(ref32[m](*[_to_fp32(t) for t in inputs])) if low_precision else None
+                    got = call(m, inputs)
+                for c, bound, facts in compare_outputs(output_names[m], got, want, recipe.verify.tolerance,
+                                                       ref_fp32=want32):
+                    rows.append(Row(runtime=runtime, method=m, seed=seed, sizes=used, output=c.name,
+                                    shape=list(c.shape), dtype=c.dtype, max_abs=c.max_abs, rel_l2=c.rel_l2,
+                                    cosine=c.cosine, tolerance=bound, ok=c.ok, why=c.why,
+                                    reference=facts.get("reference", "eager"),
+                                    eager_rel_l2=facts.get("eager_rel_l2"), vs_eager=facts.get("vs_eager")))
 
     rows: List[Row] = []
     outcomes: Dict[str, Dict[str, Any]] = {}
     if "aoti" in choice.runtimes:
+        say(f"verify on {LABELS['aoti']}: {len(methods)} method(s), {len(recipe.verify.seeds)} seed(s) x "
+            f"{len(cases)} size(s)")
         orders = {m: run.io_order(m) for m in methods}
         with shipped_runners(run.pte, run.ptd, methods, factory, device, so_dir=run.so_dir) as runners:
 
@@ -404,6 +408,8 @@ def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional
         outcomes["aoti"] = {"status": RAN, "describe": "torch's AOTI runner over each method's .so (libtorch's "
                                                        f"shims), torch {torch.__version__}"}
     if "executorch" in choice.runtimes:
+        say(f"verify on {describe_runner(choice)}: {len(methods)} method(s), {len(recipe.verify.seeds)} seed(s) x "
+            f"{len(cases)} size(s)")
         outcomes["executorch"] = _run_executorch(run, methods, device, choice, run_all, rows, audited)
     for name, why in choice.left_out.items():  # a runtime the default choice left out
         outcomes[name] = {"status": NOT_RUN, "describe": LABELS[name], "why": why}
@@ -487,7 +493,15 @@ def shipped_runners(pte: Path, ptd: Path, methods: Sequence[str], factory: Runne
             if m not in shipped:
                 raise VerificationFailed(f"{pte} holds no compiled .so for method {m!r}",
                                          "lower the run again (`python -m zoo.lower RUN_DIR`)")
-            runners[m] = factory(m, shipped[m]["so"], shipped[m]["weights"], device)
+            try:
+                runners[m] = factory(m, shipped[m]["so"], shipped[m]["weights"], device)
+            except ZooError:
+                raise
+            except Exception as exc:  # a loader's own error: the .so is damaged or built for another machine
+                raise VerificationFailed(f"the .so of method {m!r} in {pte} cannot be loaded: "
+                                         f"{type(exc).__name__}: {first_line(exc)}",
+                                         "the artifact is damaged, or was built for another GPU or torch: "
+                                         "lower the run again (`python -m zoo.lower RUN_DIR`)") from exc
         yield runners
     finally:
         if shipped_dir is not None:

@@ -7,3 +7,4 @@ from conftest import ToyFamily
 
 build_unit = ToyFamily.build_unit
 fabricate_checkpoint = ToyFamily.fabricate_checkpoint
+check_recipe = ToyFamily.check_recipe

@@ -49,7 +49,7 @@ class Candidate:
 
 def bench_candidate(candidate: Candidate, cases: Sequence[Tuple[Dict[str, int], Sequence[Sequence[torch.Tensor]]]],
                     warmup: int, runs: int, device: str, keep_outputs: bool = True,
-                    profile: bool = False) -> List[Dict[str, Any]]:
+                    profile: bool = False, timer=None) -> List[Dict[str, Any]]:
     """Build one candidate, then for each size case warm it, reset the peak counter and time it.
 
     Returns one record per case: stats, peak memory, build and first-call seconds (the first call includes
@@ -59,7 +59,7 @@ def bench_candidate(candidate: Candidate, cases: Sequence[Tuple[Dict[str, int], 
     if candidate.skipped:
         return [{"skipped": candidate.skipped} for _ in cases]
     dev = torch.device(device)
-    timer = timer_for(device)
+    timer = timer or timer_for(device)  # tests hand in a clock the candidates advance
     memory = PeakMemory(dev)
     memory.before_build()
     records: List[Dict[str, Any]] = []
@@ -206,8 +206,9 @@ def parse_sizes(items: Sequence[str]) -> Dict[str, List[int]]:
 def bench_method(method: str, specs: Sequence[InputSpec], cases: Sequence[Dict[str, int]],
                  candidates: Sequence[Candidate], warmup: int, runs: int, device: str,
                  input_sets: Optional[int] = None, targets: Targets = TARGETS,
-                 profile: bool = False) -> List[Dict[str, Any]]:
-    """Measure every candidate at every size case on the same inputs; one result per case.
+                 profile: bool = False, timer=None) -> List[Dict[str, Any]]:
+    """Measure every candidate at every size case on the same inputs; one result per case. ``timer``: the
+    device's own (``timer_for``) unless one is handed in.
 
     All input sets are drawn (and placed on the device) before any candidate is built, so every candidate
     sees the same tensors and none pays for them in its memory figure.
@@ -216,7 +217,8 @@ def bench_method(method: str, specs: Sequence[InputSpec], cases: Sequence[Dict[s
     for sizes in cases:
         count = input_sets or auto_input_sets(set_bytes(specs, sizes), device)
         drawn.append((sizes, draw_inputs(specs, sizes, count, device)))
-    per_candidate = {c.name: bench_candidate(c, drawn, warmup, runs, device, profile=profile) for c in candidates}
+    per_candidate = {c.name: bench_candidate(c, drawn, warmup, runs, device, profile=profile, timer=timer)
+                     for c in candidates}
     results = []
     for i, (sizes, inputs) in enumerate(drawn):
         records = {name: recs[i] for name, recs in per_candidate.items()}

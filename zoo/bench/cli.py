@@ -32,7 +32,7 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from ..errors import NoGpuError, ZooError
+from ..errors import EXIT_ERROR, EXIT_OK, NoGpuError, ZooError, exit_status_help
 from ..artifact import so_file_name, weights_file_name
 from ..run_folder import IO_SPEC_JSON, RunFolder
 from .candidates import (
@@ -102,7 +102,12 @@ def artifact_sizes(run_dir: Path) -> Dict[str, int]:
 
 
 def build_parser(prog: str = "python -m zoo bench") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog=prog, description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=exit_status_help([EXIT_OK, EXIT_ERROR], {
+            EXIT_OK: "measured; the tables are printed and written beside the run (a candidate that failed is "
+                     "reported in them)",
+            EXIT_ERROR: "bad arguments, or a run folder that cannot be benchmarked here"}))
     p.add_argument("run_dir", type=Path, help="a run folder written by `python -m zoo export` (lowered on a GPU)")
     p.add_argument("--methods", default=None, help="comma-separated methods (default: all in io_spec.json)")
     p.add_argument("--sizes", action="append", default=[], metavar="DIM=N[,N...]",

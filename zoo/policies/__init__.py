@@ -5,6 +5,9 @@
         fabricate_checkpoint(recipe: Recipe, work_dir: Path) -> Dict[str, Path]
             seeded random weights in the checkpoint's real file layout; {repo_id: folder} for the recipe's repo
             and every auxiliary repo the policy loads by Hub id (VAE, text encoder, tokenizer)
+        check_recipe(recipe: Recipe) (optional)
+            raise RecipeError for what the family cannot build (methods, dtype, sizes); the pipeline calls it
+            before anything is fabricated, downloaded or written (``check_recipe`` below)
     zoo/policies/NAME_options.py  the class NameOptions (``lingbot_va`` -> ``LingbotVaOptions``): a dataclass
         subclassing ``FamilyOptions`` whose fields are the recipe's ``unit.options`` keys, with types and defaults
 
@@ -78,3 +81,12 @@ def load_family(name: str) -> ModuleType:
             "building export units needs the policies extra: pip install 'zoo[policies]' (Python >= 3.12); "
             "lowering and verifying a saved run (`python -m zoo.lower RUN_DIR`) does not",
         ) from exc
+
+
+def check_recipe(recipe) -> None:
+    """Refuse a recipe its family cannot build (``unit.methods=[nope]``) before anything is fabricated,
+    downloaded or written: the family's own ``check_recipe`` where it has one. The family module is imported
+    now, so a missing policies extra is refused here too."""
+    check = getattr(load_family(recipe.family), "check_recipe", None)
+    if check is not None:
+        check(recipe)

@@ -394,6 +394,11 @@ def _first_lines(exc: BaseException, n: int = 3) -> str:
 # build_unit
 
 
+def check_recipe(recipe: Recipe) -> None:
+    """What the pipeline asks before fabricating or downloading anything: can this recipe be built?"""
+    parse_options(recipe)
+
+
 def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
     """Load the checkpoint with LeRobot's classes and cut out the GPU part as the recipe's methods."""
     opts = parse_options(recipe)

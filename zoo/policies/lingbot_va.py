@@ -422,6 +422,11 @@ class LeRobotSteps:
         return self.policy.transformer.blocks[layer].attn1.attn_caches[self.cache_name]
 
 
+def check_recipe(recipe: Recipe) -> None:
+    """What the pipeline asks before fabricating or downloading anything: can this recipe be built?"""
+    _validate_recipe(recipe)
+
+
 def _vae_methods(policy: LingBotVAPolicy, dtype: str) -> Dict[str, MethodSpec]:
     """``vae_encode_first`` and ``vae_encode``: the streaming VAE LeRobot loads from ``wan_pretrained_path``."""
     from lerobot.policies.lingbot_va.utils import load_vae
