@@ -204,13 +204,16 @@ def test_preflight_runs_on_the_edge_program_the_lowering_makes(tmp_path, monkeyp
     assert result.preflight["ok"] is True and result.preflight["nodes"] > 0
 
 
+class Detached(nn.Module):
+    """A program the CUDA runtime lacks a kernel for: ``detach`` becomes ``aten::detach_copy``, a fallback."""
+
+    def forward(self, x):
+        return (x * 2).detach()
+
+
 def test_preflight_refuses_before_compiling(tmp_path, monkeypatch):
     fake = fake_cuda.FakeCudaCompile({})
     fake.install(monkeypatch)
-
-    class Detached(nn.Module):
-        def forward(self, x):
-            return (x * 2).detach()
 
     with torch.no_grad():
         progs = {"forward": torch.export.export(Detached(), (torch.randn(3),))}
@@ -265,10 +268,6 @@ def test_a_refusal_is_the_preflight_stage_and_nothing_is_compiled(tmp_path, monk
 
     fake = fake_cuda.FakeCudaCompile({})
     fake.install(monkeypatch)
-
-    class Detached(nn.Module):
-        def forward(self, x):
-            return (x * 2).detach()
 
     with torch.no_grad():
         progs = {"forward": torch.export.export(Detached(), (torch.randn(3),))}
