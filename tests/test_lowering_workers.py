@@ -197,3 +197,47 @@ def test_in_process_lowering_leaves_the_same_parts_as_the_workers(parallel, tmp_
             assert path.read_bytes() == parallel["parts"][method].data_files[name].read_bytes()
     assembled = workers.assemble_program([p.as_program_part() for p in in_process.values()], tmp_path / "out")
     assert assembled.pte.read_bytes() == parallel["assembled"].pte.read_bytes()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, dead but not yet reaped, counts as ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="PR_SET_PDEATHSIG and /proc are Linux's")
+def test_a_worker_ends_when_its_parent_is_killed(tmp_path):
+    # SIGKILL gives the parent no chance to stop its workers; the worker must not go on lowering alone.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    job = saved_jobs(tmp_path / "programs", lambda m: {})[0]
+    rendezvous = tmp_path / "rendezvous"
+    rendezvous.mkdir()
+    parent = subprocess.Popen([sys.executable, "-c", f"""
+from pathlib import Path
+from zoo import lowering_workers as w
+job = w.MethodJob(method={job.method!r}, program=Path({str(job.program)!r}),
+                  options={{"rendezvous": {str(rendezvous)!r}, "rendezvous_with": ["never"], "rendezvous_s": 600}})
+w.lower_in_workers([job], {FUNCTION!r}, Path({str(tmp_path / 'work')!r}), max_workers=1, env={ENV!r},
+                   say=lambda line: None)
+"""])
+    marker = rendezvous / job.method  # the worker writes its pid here, then waits for a method that never comes
+    deadline = time.monotonic() + 120
+    while not marker.exists() and time.monotonic() < deadline and parent.poll() is None:
+        time.sleep(0.2)
+    assert marker.exists(), "the worker never started"
+    worker = int(marker.read_text())
+    assert _running(worker)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 60
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _running(worker), "the worker outlived its killed parent"

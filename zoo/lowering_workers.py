@@ -308,7 +308,7 @@ def _start(job: MethodJob, function: str, work_dir: Path, env: Dict[str, str]) -
     folder = _fresh_folder(work_dir, job.method)
     job_path = folder / "job.json"
     atomic.write_json(job_path, {"method": job.method, "program": str(Path(job.program).resolve()),
-                                 "function": function, "options": job.options})
+                                 "function": function, "options": job.options, "parent": os.getpid()})
     log = folder / "worker.log"
     with open(log, "wb") as log_fh:
         # Its own session: the worker and everything it starts (compile subprocesses) are one process group,
@@ -377,10 +377,26 @@ def _log_tail(log: Path) -> str:
 # --- the worker --------------------------------------------------------------------------------------------
 
 
+def end_with_parent(parent_pid: Optional[int]) -> None:
+    """Make this worker end when the zoo process that started it dies. A parent killed by SIGKILL cannot stop its
+    workers (they run in their own session, so a Ctrl-C reaches them only through the parent's ``_stop``);
+    without this they would go on lowering into a dead attempt's scratch folder. Linux sends the worker SIGTERM
+    when its parent dies (``prctl(PR_SET_PDEATHSIG)``); elsewhere nothing is set."""
+    if parent_pid is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes  # stdlib; only a Linux worker needs it
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    if os.getppid() != parent_pid:  # the parent died before the line above took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_worker(job_path: Path) -> int:
     """Lower the job's one method and write its program files and result.json, or error.json on failure."""
     folder = Path(job_path).parent
     job = json.loads(Path(job_path).read_text())
+    end_with_parent(job.get("parent"))
     method = job["method"]
     start = time.perf_counter()
     profile_dir = os.environ.get(ENV_PROFILE_DIR)
