@@ -156,7 +156,7 @@ def _runner(so: Path, device: str):
 def extract_once(pte: Path, index, methods: List[str], folder: Path) -> Dict[str, Dict[str, Path]]:
     """Each method's .so from the .pte and its weights from the .ptd, one file per distinct .ptd segment (the
     runner wants a path; two methods naming one segment share the file)."""
-    programs = assemble.read_program(pte)
+    programs = artifact.read_pte_file(pte)
     folder.mkdir(parents=True, exist_ok=True)
     by_key = {e.key: e for e in index}
     written: Dict[tuple, Path] = {}

@@ -146,7 +146,7 @@ def _program_differences(a: Path, b: Path):
     (schema/program.fbs, ExtraTensorInfo.location) and numbered per emitter, so it is told apart."""
     from executorch.exir.schema import TensorDataLocation
 
-    pa, pb = assemble.read_program(a).program, assemble.read_program(b).program
+    pa, pb = artifact.read_pte_file(a).program, artifact.read_pte_file(b).program
     found = set()
     for plan_a, plan_b in zip(pa.execution_plan, pb.execution_plan):
         for va, vb in zip(plan_a.values, plan_b.values):
@@ -302,6 +302,6 @@ def test_foreign_files_are_zoo_errors(tmp_path):
     bad = tmp_path / "x.pte"
     bad.write_bytes(b"not a program at all" * 10)
     with pytest.raises(LoweringError, match="not a readable ExecuTorch program"):
-        assemble.read_program(bad)
+        artifact.read_pte_file(bad)
     with pytest.raises(LoweringError, match="not an ExecuTorch data file"):
         artifact.read_ptd_entries(bad)

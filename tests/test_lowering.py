@@ -73,7 +73,7 @@ def test_one_pte_with_both_methods_and_one_ptd(lowered):
     assert sorted(methods) == ["permuted", "pool"]
     assert {m.backend for m in methods.values()} == {"CudaBackend"}
     assert sorted(named) == ["permuted_so_blob", "pool_so_blob"]  # the .so files live inside the .pte
-    assert sorted(artifact.read_ptd_index(out / "aoti_cuda_blob.ptd")) == ["permuted_weights_blob",
+    assert sorted(e.key for e in artifact.read_ptd_entries(out / "aoti_cuda_blob.ptd")) == ["permuted_weights_blob",
                                                                           "pool_weights_blob"]
     assert result.pte_bytes == (out / "model.pte").stat().st_size
     assert result.ptd_bytes == (out / "aoti_cuda_blob.ptd").stat().st_size
@@ -259,7 +259,7 @@ def test_reading_a_foreign_file_is_a_zoo_error(tmp_path):
     with pytest.raises(LoweringError, match="not a readable ExecuTorch program"):
         artifact.read_pte(bad)
     with pytest.raises(LoweringError, match="not an ExecuTorch data file"):
-        artifact.read_ptd_index(bad)
+        artifact.read_ptd_entries(bad)
 
 
 def test_a_refusal_is_the_preflight_stage_and_nothing_is_compiled(tmp_path, monkeypatch):

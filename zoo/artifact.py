@@ -72,17 +72,22 @@ class PteMethod:
     so_key: Optional[str]
 
 
-def read_pte(pte_path: Path) -> Tuple[Dict[str, PteMethod], Dict[str, bytes]]:
-    """Methods of an ExecuTorch .pte with their delegate backend, and the named data stored inside it."""
+def read_pte_file(pte_path: Path):
+    """A ``.pte`` as executorch's ``PTEFile`` (program, mutable data, named data), segments restored inline; a
+    clear error for bytes that are not an ExecuTorch program."""
     ensure_flatc()
     from executorch.exir._serialize._program import deserialize_pte_binary
 
-    data = Path(pte_path).read_bytes()
     try:
-        pte = deserialize_pte_binary(data)
+        return deserialize_pte_binary(Path(pte_path).read_bytes())
     except Exception as exc:  # the deserializer raises plain exceptions of several kinds on foreign bytes
         raise LoweringError(f"{pte_path} is not a readable ExecuTorch program: {type(exc).__name__}: {exc}",
                             f"pass a {PTE_NAME} written by ExecuTorch 1.2") from exc
+
+
+def read_pte(pte_path: Path) -> Tuple[Dict[str, PteMethod], Dict[str, bytes]]:
+    """Methods of an ExecuTorch .pte with their delegate backend, and the named data stored inside it."""
+    pte = read_pte_file(pte_path)
     named: Dict[str, bytes] = {}
     if pte.named_data is not None:
         for key, entry in pte.named_data.pte_data.items():
@@ -136,11 +141,6 @@ def read_ptd_entries(ptd_path: Path) -> List[DataEntry]:
                                 f"{file_bytes} bytes", "the file is truncated; lower again")
         entries.append(DataEntry(named.key, path, offset, segment.size, named.tensor_layout))
     return entries
-
-
-def read_ptd_index(ptd_path: Path) -> Dict[str, Tuple[int, int]]:
-    """Named entries of a .ptd as {key: (file offset, size)}, reading only the header and index."""
-    return {entry.key: (entry.offset, entry.size) for entry in read_ptd_entries(ptd_path)}
 
 
 def range_chunks(path: Path, offset: int, size: int) -> Iterator[bytes]:

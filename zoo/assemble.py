@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
 from .errors import LoweringError
-from .artifact import PTE_NAME, DataEntry, ensure_flatc, range_chunks, read_ptd_entries
+from .artifact import PTE_NAME, DataEntry, ensure_flatc, range_chunks, read_ptd_entries, read_pte_file
 
 DEFAULT_SEGMENT_ALIGNMENT = 128  # ExecutorchBackendConfig.segment_alignment and FlatTensorConfig's default
 
@@ -78,18 +78,6 @@ class AssembledProgram:
 
 
 # --- the .pte --------------------------------------------------------------------------------------------------
-
-
-def read_program(path: Path):
-    """A ``.pte`` as executorch's ``PTEFile`` (program, mutable data, named data), segments restored inline."""
-    ensure_flatc()
-    from executorch.exir._serialize._program import deserialize_pte_binary
-
-    try:
-        return deserialize_pte_binary(Path(path).read_bytes())
-    except Exception as exc:  # the deserializer raises plain exceptions of several kinds on foreign bytes
-        raise LoweringError(f"{path} is not a readable ExecuTorch program: {type(exc).__name__}: {exc}",
-                            "pass .pte files written by ExecuTorch 1.2's to_executorch()") from exc
 
 
 def merge_programs(parts: Sequence[Tuple[str, Any]]):
@@ -304,7 +292,7 @@ def assemble_program(parts: Sequence[ProgramPart], out_dir: Path, *, pte_name: s
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    merged = merge_programs([(part.label, read_program(part.pte)) for part in parts])
+    merged = merge_programs([(part.label, read_pte_file(part.pte)) for part in parts])
     pte_bytes = serialize_program(merged, segment_alignment=segment_alignment)
     by_name: Dict[str, List[Tuple[str, List[DataEntry]]]] = {}
     for part in parts:
