@@ -234,8 +234,9 @@ def _weights_section(audit: Any, verification: Any = None) -> List[str]:
     runtimes = verification.get("runtimes") if isinstance(verification, Mapping) else None
     et = runtimes.get("executorch") if isinstance(runtimes, Mapping) else None
     if isinstance(et, Mapping) and isinstance(et.get("gpu_loaded_mib"), (int, float)):
-        out.append(f"- Measured: ExecuTorch {et.get('release') or ''} took {et['gpu_loaded_mib']:.0f} MiB of GPU memory "
-                   "after loading every method (zoo_runner, `cudaMemGetInfo` before and after).".replace("  ", " "))
+        runtime = " ".join(filter(None, ["ExecuTorch", et.get("release")]))
+        out.append(f"- Measured: {runtime} took {et['gpu_loaded_mib']:.0f} MiB of GPU memory after loading every "
+                   "method (zoo_runner, `cudaMemGetInfo` before and after).")
     return out + [""]
 
 
