@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The GPU evidence of issues 12-14 in one held H200, started by one call and waited on by the next ones:
 #
-#   scripts/gpu_session.sh BUNDLE_DIR ET_SRC WORK [--no-real]         (returns once every job is started)
+#   scripts/gpu_session.sh BUNDLE_DIR ET_SRC|- WORK [--jobs A,B,...] [--real RECIPE:METHODS]   (returns once every job is started)
 #   scripts/gpu_jobs.sh wait WORK 560; scripts/gpu_jobs.sh collect WORK $OUT real/summary.txt ...   (later calls)
 #
-# Jobs (scripts/gpu_jobs.sh). The real-size export is the session's long pole (about 20 minutes), and a session
-# has about 25 minutes of machine, so the small jobs run beside it at the lowest CPU priority (nice 19) and are
-# done before its verification and bench, which time the GPU; its profile's load timeline shows what ran beside it:
-#   real      scripts/real_size.py on LingBot-VA's two DiT methods under the sampling profiler (build, export,
-#             rewrite, parallel lowering, assembly, audit, verification, bench, sizes), at normal priority
+# Jobs (scripts/gpu_jobs.sh; --jobs picks them, default real,runtime,tiny,tiny-et,real-et; ET_SRC may be - when
+# no job builds the runtime). The real-size export is a session's long pole (about 20 minutes) of about 25 minutes
+# of machine. Issue 12 asks for it alone on the machine; the default set runs the small jobs beside it at the
+# lowest CPU priority (nice 19) to fit a session, and its profile's load timeline shows what ran beside it:
+#   real      scripts/real_size.py on --real's recipe and methods (default lingbot-va:video_step,action_step)
+#             under the sampling profiler (build, export, rewrite, parallel lowering, assembly, audit,
+#             verification, bench, sizes), at normal priority
 #   runtime   (nice) scripts/build_runtime.sh ET_SRC WORK/runtime: ExecuTorch's C++ runtime + CUDA backend + zoo_runner
 #   tiny      (nice) scripts/gpu_check.sh BUNDLE_DIR on the three tiny recipes and the float32-pair variants of
 #             the two DiT recipes: exported, lowered, verified on torch's AOTI runner, policy-checked on the GPU
@@ -16,12 +18,31 @@
 #             both runtimes (same inputs, seeds, sizes, tolerances) and LingBot-VA's 3-call KV pool sequence
 #   real-et   after real and runtime: action_step of the real-size run on zoo_runner against the AOTI runner
 #             (latency, GPU memory after loading)
+#   tiny-bf16 after real (when real is a job): scripts/gpu_check.sh on the tiny LingBot-VA and Fast-WAM recipes
+#             exported in bf16 (unit.dtype=bfloat16): verified under zoo's bf16 rule and policy-checked on the
+#             GPU against LeRobot under the same rule (issue 13), alone on the machine
 # Every job writes its log under WORK/jobs/NAME and its tables and JSON under WORK; nothing here waits for them.
 set -uo pipefail
-[ $# -ge 3 ] || { sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
-BUNDLE="$(cd "$1" && pwd)"; ET_SRC="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"
+usage() { sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+[ $# -ge 3 ] || usage
+BUNDLE="$(cd "$1" && pwd)"; ET_SRC="$2"
+[ "$ET_SRC" = - ] || ET_SRC="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"
 mkdir -p "$3"; WORK="$(cd "$3" && pwd)"
-REAL=1; [ "${4:-}" = --no-real ] && REAL=0
+shift 3
+JOBS=",real,runtime,tiny,tiny-et,real-et,"; REAL_SPEC="lingbot-va:video_step,action_step"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --jobs) JOBS=",$2,"; shift 2 ;;
+    --real) REAL_SPEC="$2"; shift 2 ;;
+    *) echo "gpu_session: unknown option $1" >&2; usage ;;
+  esac
+done
+for job in ${JOBS//,/ }; do
+  case "$job" in real|runtime|tiny|tiny-et|real-et|tiny-bf16) ;; *) echo "gpu_session: unknown job $job" >&2; exit 2 ;; esac
+done
+want() { [[ "$JOBS" == *",$1,"* ]]; }
+if want runtime && [ "$ET_SRC" = - ]; then echo "gpu_session: the runtime job needs ET_SRC (the ExecuTorch source tarball)" >&2; exit 2; fi
+REAL_RECIPE="${REAL_SPEC%%:*}"; REAL_METHODS="${REAL_SPEC#*:}"
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO"
 J=scripts/gpu_jobs.sh
@@ -45,20 +66,23 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   "$BUNDLE"/wheels/*.whl || { echo "gpu_session: offline install failed" >&2; exit 2; }
 chmod +x "$SITE/executorch/data/bin/flatc"
 mkdir -p "$WORK/real" "$WORK/runs"
-if [ "$REAL" = 1 ]; then
+if want real; then
   "$J" start "$WORK" real --limit 1500 -- bash -c "$(in_env python3 -m zoo.sampling_profiler \
-    --out "$WORK/real/profile.txt" scripts/real_size.py --out "$WORK/real" --recipe lingbot-va \
-    --methods video_step,action_step --runs 10 --warmup 2)"
+    --out "$WORK/real/profile.txt" scripts/real_size.py --out "$WORK/real" --recipe "$REAL_RECIPE" \
+    --methods "$REAL_METHODS" --runs 10 --warmup 2)"
 fi
 # 6 compile jobs: the real-size lowering holds most of the host's memory.
-"$J" start "$WORK" runtime --nice --limit 900 -- bash scripts/build_runtime.sh "$ET_SRC" "$WORK/runtime" --jobs 6
-"$J" start "$WORK" tiny --nice --limit 900 -- env ZOO_SITE="$WORK/check-site" ZOO_RUNS="$RUNS" \
+want runtime && "$J" start "$WORK" runtime --nice --limit 900 -- bash scripts/build_runtime.sh "$ET_SRC" "$WORK/runtime" --jobs 6
+want tiny && "$J" start "$WORK" tiny --nice --limit 900 -- env ZOO_SITE="$WORK/check-site" ZOO_RUNS="$RUNS" \
   bash scripts/gpu_check.sh "$BUNDLE" "${TINY[@]}"
 runs=(); for r in "${TINY[@]}"; do runs+=("$RUNS/$r"); done
-"$J" start "$WORK" tiny-et --after runtime,tiny --nice --limit 600 -- bash -c "$(in_env python3 scripts/gpu_runtime_check.py \
+want tiny-et && "$J" start "$WORK" tiny-et --after runtime,tiny --nice --limit 600 -- bash -c "$(in_env python3 scripts/gpu_runtime_check.py \
   "${runs[*]}" --runner "$RUNNER" --steps 3 --out "$WORK/runtime-check")"
-if [ "$REAL" = 1 ]; then
-  "$J" start "$WORK" real-et --after real,runtime --limit 600 -- bash -c "$(in_env python3 scripts/gpu_runtime_check.py \
-    "$WORK/real/run" --no-verify --steps 0 --latency action_step --runner "$RUNNER" --out "$WORK/real-et")"
+want real-et && "$J" start "$WORK" real-et --after real,runtime --limit 600 -- bash -c "$(in_env python3 scripts/gpu_runtime_check.py \
+  "$WORK/real/run" --no-verify --steps 0 --latency action_step --runner "$RUNNER" --out "$WORK/real-et")"
+if want tiny-bf16; then
+  after=(); want real && after=(--after real)
+  "$J" start "$WORK" tiny-bf16 "${after[@]}" --limit 900 -- env ZOO_SITE="$WORK/check-site" ZOO_RUNS="$WORK/runs-bf16" \
+    ZOO_EXPORT_ARGS="unit.dtype=bfloat16" bash scripts/gpu_check.sh "$BUNDLE" lingbot-va-tiny fast-wam-tiny
 fi
 "$J" table "$WORK"
