@@ -5,6 +5,7 @@ error. The injected lowering is ExecuTorch's portable flow (tests/fixtures/porta
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,19 @@ def test_methods_lower_side_by_side_in_separate_processes(parallel):
     assert list(parts) == ["a", "b"]
     assert parts["a"].record["saw"] == ["b"] and parts["b"].record["saw"] == ["a"]
     assert parts["a"].record["pid"] != parts["b"].record["pid"]
+
+
+def test_each_worker_gets_its_share_of_the_cores_for_its_compile_pool(parallel):
+    # Two workers at once: each Inductor compile pool gets half the cores (at least one), not all of them.
+    share = str(max(1, (os.cpu_count() or 1) // 2))
+    assert [parallel["parts"][m].record["compile_threads"] for m in ("a", "b")] == [share, share]
+
+
+def test_a_compile_pool_size_the_operator_chose_is_kept(tmp_path):
+    jobs = saved_jobs(tmp_path / "programs", lambda m: {})[:1]
+    parts = workers.lower_in_workers(jobs, FUNCTION, tmp_path / "work", max_workers=1,
+                                     env={**ENV, "TORCHINDUCTOR_COMPILE_THREADS": "3"})
+    assert parts[jobs[0].method].record["compile_threads"] == "3"
 
 
 def test_parallel_assembly_gives_the_sequential_outputs_and_eager(parallel, tmp_path):

@@ -38,6 +38,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from . import atomic, errors
 from .artifact import PTE_NAME, ensure_flatc
 from .assemble import AssembledProgram, ProgramPart, assemble_program
+from .compile_pool import ENV_THREADS as ENV_COMPILE_THREADS
+from .compile_pool import threads_per_worker
 from .errors import LoweringError
 from .progress import Progress
 from .progress import say as default_say
@@ -187,6 +189,8 @@ def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
     workers = max_workers if max_workers is not None else default_max_workers(len(jobs))
     if workers < 1:
         raise LoweringError(f"max_workers={workers} must be at least 1", "lower at least one method at a time")
+    # Each worker's Inductor compile pool gets its share of the cores, unless the operator chose a size.
+    worker_env.setdefault(ENV_COMPILE_THREADS, str(threads_per_worker(os.cpu_count() or 1, min(workers, len(jobs)))))
     work_dir = Path(work_dir)
 
     pending = list(jobs)
