@@ -8,12 +8,13 @@ of one more) and run one episode each from ``torch.manual_seed(policy_check.seed
 from a prompt file made by the family's ``embed_prompt`` (what ``python -m zoo prompt`` writes); LeRobot runs its
 own UMT5. Judged per action chunk (``zoo.runner.check``):
 
-  on the CPU (during export)           eager runner (the rewritten programs) vs LeRobot eager; float32 units:
-                                       relative L2 <= policy_check.tolerance.float32; bf16 units: zoo's bf16
-                                       rule against LeRobot's float32 episode
+  on the CPU (during export)           eager runner (the rewritten programs) vs LeRobot eager; float32 units
+                                       only: relative L2 <= policy_check.tolerance.float32 (bf16 units are
+                                       skipped here: see BF16_ON_CPU)
   on the GPU (after verification)      artifact runner (the shipped .so files) vs LeRobot eager on the GPU in full
                                        float32 (no TF32); float32 units: <= tolerance.gpu_float32; bf16 units:
-                                       the bf16 rule
+                                       zoo's bf16 rule against LeRobot's float32 episode, drawn from the bf16
+                                       episode's noise where the family says how (``float32_reference_noise``)
 
 LeRobot is the policies extra: where it is missing (a Jetson), the check is skipped with that reason. Families
 without an action loop (Llama) have no policy to check: "not applicable".
@@ -45,6 +46,12 @@ from .verify import full_fp32_precision
 STAGES = {"cpu": ("policy_check", "policy check: eager runner against LeRobot's select_action on the CPU"),
           "gpu": ("policy_check_gpu", "policy check: artifact runner against LeRobot's select_action on the GPU")}
 NEEDS_LEROBOT = "needs lerobot (the policies extra: pip install 'zoo[policies]'), which is not installed here"
+# The CPU check runs for float32 units only. LeRobot's Fast-WAM keeps its float32 regions with
+# torch.amp.autocast("cuda"), which does nothing on the CPU, so its bf16 policy fails there ("mat1 and mat2 must
+# have the same dtype"); and bf16 episodes on the CPU take minutes. The GPU stage runs the bf16 check.
+BF16_ON_CPU = ("the CPU policy check runs for float32 units only ({dtype} here): LeRobot's bf16 policies need "
+               "the GPU (Fast-WAM's float32 regions use CUDA autocast) and bf16 episodes on the CPU take minutes; "
+               "the GPU policy check covers {dtype} units")
 
 
 def not_applicable(recipe) -> Optional[str]:
@@ -63,6 +70,8 @@ def why_skipped(recipe, where: str) -> Optional[str]:
         return reason
     if not getattr(recipe.policy_check, where):
         return f"policy_check.{where} is false in the recipe"
+    if where == "cpu" and recipe.unit.dtype != "float32":
+        return BF16_ON_CPU.format(dtype=recipe.unit.dtype)
     if importlib.util.find_spec("lerobot") is None:
         return NEEDS_LEROBOT
     return None
@@ -115,7 +124,11 @@ def check_run(run: RunFolder, recipe, checkpoint: Path, *, backend: str = "eager
             recipe32 = copy.deepcopy(recipe)
             recipe32.unit.dtype = "float32"
             policy, pre, post = _lerobot_policy(family, checkpoint, recipe32, device)
-            expected = run_episode(ProcessedPolicy(policy, pre, post), observations, check.seed)
+            # A family whose policy draws its noise in the policy dtype has the float32 episode draw the
+            # low-precision episode's noise, so the rule measures precision, not another sample.
+            same_noise = getattr(family, "float32_reference_noise", None)
+            with same_noise(getattr(torch, recipe.unit.dtype)) if same_noise else contextlib.nullcontext():
+                expected = run_episode(ProcessedPolicy(policy, pre, post), observations, check.seed)
             bar.advance()
             del policy, pre, post
         bar.begin(f"the {backend} runner")

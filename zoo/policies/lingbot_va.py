@@ -18,11 +18,12 @@ Recipe knobs (unit.options: LingbotVaOptions, zoo/policies/lingbot_va_options.py
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import torch
 
@@ -502,6 +503,33 @@ def lerobot_policy(checkpoint_dir: Path, recipe: Recipe, device: str = "cpu"):
     pre, post = make_pre_post_processors(policy.config, pretrained_path=str(checkpoint_dir),
                                          preprocessor_overrides={"device_processor": {"device": device}})
     return policy, pre, post
+
+
+@contextlib.contextmanager
+def float32_reference_noise(low_dtype: torch.dtype) -> Iterator[None]:
+    """While LeRobot's float32 policy runs the reference episode for a ``low_dtype`` unit, draw its noise as the
+    ``low_dtype`` policy does: each ``torch.randn`` asking for float32 (or the float32 default dtype) draws in
+    ``low_dtype`` from the same generator and returns that draw upcast to float32 (exact).
+
+    Why: LeRobot's LingBot-VA draws its latent and action noise in the policy's dtype
+    (modeling_lingbot_va.py:756-758, ``torch.randn(..., dtype=self.dtype)``), and torch's bf16 and float32
+    normal draws from one seed are different numbers (cosine ~0.03 for 100 values), consuming the generator
+    differently too. Without this, the float32 reference samples from other noise, and the bf16 rule measures
+    a different sample rather than precision. (Fast-WAM draws in float32 and casts, so it needs no hook.)
+    ``torch.randn`` is restored on exit, also on error."""
+    original = torch.randn
+
+    def randn(*size, dtype=None, **kwargs):
+        wants_float32 = (dtype or torch.get_default_dtype()) == torch.float32
+        if not wants_float32 or kwargs.get("out") is not None:
+            return original(*size, dtype=dtype, **kwargs)
+        return original(*size, dtype=low_dtype, **kwargs).to(torch.float32)
+
+    torch.randn = randn
+    try:
+        yield
+    finally:
+        torch.randn = original
 
 
 def embed_prompt(policy: LingBotVAPolicy, task: str):
