@@ -201,3 +201,81 @@ def test_seeded_weights_inside_built_on_meta_read_no_file(tmp_path):
         again = Policy()
     fast_init.fill_seeded(again, 3)
     assert torch.equal(policy.model.blocks[2].proj.weight, again.model.blocks[2].proj.weight)
+
+
+class Stack(nn.Module):
+    """A module whose constructor casts everything to ``dtype``, as LeRobot's policies do with config.dtype."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.embed = nn.Embedding(11, 16)
+        self.blocks = nn.ModuleList([Block(16) for _ in range(2)])
+        self.head = nn.Linear(16, 2)
+        self.to(dtype)
+
+
+def seeded_stack(dtype: torch.dtype, seed: int, **draw) -> Stack:
+    with fast_init.parameters_on_meta([Stack]):
+        stack = Stack(dtype)
+    fast_init.fill_seeded(stack, seed, threads=3, **draw)
+    return stack
+
+
+def test_seeded_weights_drawn_in_bf16_give_a_float32_build_the_bf16_builds_values(monkeypatch):
+    monkeypatch.setattr(fast_init, "FILL_CHUNK", 7)  # several chunks per tensor, filled on several threads
+    low = seeded_stack(torch.bfloat16, 4)  # drawn in each tensor's own dtype: the default, unchanged
+    low_drawn = seeded_stack(torch.bfloat16, 4, draw_dtype=torch.bfloat16)
+    wide = seeded_stack(torch.float32, 4, draw_dtype=torch.bfloat16)
+    wide_own = seeded_stack(torch.float32, 4)  # float32 draws of its own: another model
+    parameters = dict(low.named_parameters())
+    assert len(parameters) > 10
+    for name, a in low.state_dict().items():
+        if name not in parameters:
+            continue  # buffers are computed by the constructor, not filled
+        assert a.dtype == torch.bfloat16 and wide.state_dict()[name].dtype == torch.float32, name
+        assert torch.equal(low_drawn.state_dict()[name], a), name  # bf16 tensors: drawn as without draw_dtype
+        assert torch.equal(wide.state_dict()[name], a.float()), name  # the bf16 values, upcast exactly
+        assert not torch.equal(wide_own.state_dict()[name], a.float()), name
+        assert not torch.equal(wide_own.state_dict()[name].bfloat16(), a), name
+
+
+def test_seeded_weights_with_a_draw_dtype_inside_built_on_meta(tmp_path):
+    # Toy keeps its embedding and head in float32 beside bf16 blocks: with draw_dtype=bf16 those float32
+    # tensors take bf16-drawn values (so they change), the bf16 blocks do not.
+    with fast_init.built_on_meta(Policy, [Toy]), fast_init.seeded_weights(3, draw_dtype=torch.bfloat16):
+        drawn = Policy.from_pretrained(tmp_path / "does-not-exist.safetensors")
+    with fast_init.built_on_meta(Policy, [Toy]), fast_init.seeded_weights(3):
+        own = Policy.from_pretrained(tmp_path / "does-not-exist.safetensors")
+    assert fast_init.meta_tensors(drawn) == []
+    assert torch.equal(drawn.model.blocks[1].proj.weight, own.model.blocks[1].proj.weight)
+    head = drawn.model.head.weight
+    assert head.dtype == torch.float32 and torch.equal(head, head.bfloat16().float())
+    assert not torch.equal(head, own.model.head.weight)
+    assert not torch.equal(own.model.head.weight, own.model.head.weight.bfloat16().float())
+    with pytest.raises(TypeError, match="floating"):
+        with fast_init.seeded_weights(3, draw_dtype=torch.int64):
+            pass
+
+
+def test_seeded_policies_build_their_other_parameters_from_the_seed_and_leave_the_callers_rng(tmp_path):
+    # aux is built by its constructor from the global RNG and no file overwrites it under seeded_weights:
+    # every policy built in the block gets the same values (what a checkpoint would give), from
+    # torch.manual_seed(seed), whatever ran before it, and the caller's RNG stream goes on undisturbed.
+    init = Policy.__dict__["__init__"]
+    with fast_init.parameters_on_meta([Toy]):  # the constructor run from torch.manual_seed(3), unfilled
+        torch.manual_seed(3)
+        expected = Policy().aux.weight
+    torch.manual_seed(11)
+    state = torch.random.get_rng_state()
+    with fast_init.built_on_meta(Policy, [Toy]), fast_init.seeded_weights(3):
+        first = Policy.from_pretrained(tmp_path / "none.safetensors")
+        assert torch.equal(torch.random.get_rng_state(), state)
+        torch.rand(17)
+        second = Policy.from_pretrained(tmp_path / "none.safetensors")
+    assert torch.equal(first.aux.weight, expected) and torch.equal(second.aux.weight, expected)
+    with fast_init.built_on_meta(Policy, [Toy]), fast_init.seeded_weights(3, draw_dtype=torch.bfloat16):
+        rounded = Policy.from_pretrained(tmp_path / "none.safetensors")
+    # With a draw dtype the constructor's float32 values are rounded through it, as a bf16 checkpoint gives.
+    assert rounded.aux.weight.dtype == torch.float32
+    assert torch.equal(rounded.aux.weight, expected.bfloat16().float())
+    assert Policy.__dict__["__init__"] is init  # put back

@@ -90,3 +90,55 @@ def test_fast_wam_built_on_meta_holds_what_from_pretrained_gives(tmp_path, dtype
     parts = lambda p: (p, p.model.video_expert, p.model.action_expert, p.model.vae)  # noqa: E731
     assert_same_tensors(every_tensor(*parts(normal)), every_tensor(*parts(fast)))
     assert fast.model.video_expert.freqs.dtype == torch.complex128  # computed, not loaded
+
+
+def seeded_builds(name: str, tmp_path: Path, builds):
+    """The tiny policy built with seeded weights (no file read) per (dtype, draw dtype) of ``builds``, each
+    from another global torch seed (what the constructors draw outside the meta classes must not matter)."""
+    family = load_family(name)
+    recipe = load_recipe({"fast_wam": "fast-wam-tiny", "lingbot_va": "lingbot-va-tiny"}[name])
+    cache, checkpoint = fabricated(family, recipe, tmp_path)
+    if name == "fast_wam":
+        from lerobot.policies.fastwam.modeling_fastwam import FastWAMPolicy as policy_cls
+        from lerobot.policies.fastwam.wan import ActionDiT, WanVideoDiT
+        classes = [WanVideoDiT, ActionDiT]
+        load = lambda dtype: family.load_policy(checkpoint, dtype)  # noqa: E731
+        parts = lambda p: (p, p.model.video_expert, p.model.action_expert, p.model.vae)  # noqa: E731
+    else:
+        from lerobot.policies.lingbot_va import LingBotVAPolicy as policy_cls
+        from lerobot.policies.lingbot_va.utils import WanTransformer3DModel
+        classes = [WanTransformer3DModel]
+        load = lambda dtype: family.load_policy(checkpoint, load_recipe("lingbot-va-tiny",  # noqa: E731
+                                                                        [f"unit.dtype={dtype}"]))
+        parts = lambda p: (p,)  # noqa: E731
+    out = {}
+    with hub_environment(cache, offline=True):
+        for seed, (dtype, draw_dtype) in enumerate(builds):
+            torch.manual_seed(seed)
+            with fast_init.built_on_meta(policy_cls, classes), fast_init.seeded_weights(7, draw_dtype=draw_dtype):
+                out[dtype, draw_dtype] = every_tensor(*parts(load(dtype)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["fast_wam", "lingbot_va"])
+def test_seeded_weights_drawn_in_bf16_make_the_float32_policy_the_bf16_policy_upcast(tmp_path, name):
+    """The bf16 rule's reference (LeRobot's policy in float32) at real size holds seeded weights: drawn in
+    bf16, the float32 policy is the bf16 policy with every filled weight upcast exactly, and every other
+    floating tensor is the bf16 one before rounding (Fast-WAM's VAE, read from its tiny repo in float32).
+    For a bf16 build, drawing in bf16 is drawing as without a draw dtype: the lowered unit's weights."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    builds = seeded_builds(name, tmp_path, [("bfloat16", bf16), ("float32", bf16), ("bfloat16", None)])
+    low, wide, low_own = builds["bfloat16", bf16], builds["float32", bf16], builds["bfloat16", None]
+    assert sorted(low) == sorted(wide) == sorted(low_own) and len(low) > 20
+    for key, a in low.items():
+        b = wide[key]
+        assert torch.equal(low_own[key], a), key
+        if not a.is_floating_point() or a.dtype == torch.float64:
+            assert torch.equal(a, b), key  # computed in a fixed dtype: the same in both builds
+            continue
+        assert a.dtype in (bf16, f32) and b.dtype == f32, key
+        assert torch.equal(b.to(a.dtype), a), key  # the bf16 build holds the float32 build's values rounded
+        if not key.startswith("3:"):  # all but the VAE (not part of the policy's state_dict): exact
+            assert torch.equal(b, a.to(f32)), key
+    filled = [k for k, a in low.items() if k.startswith("0:sd:") and a.dtype == bf16]
+    assert len(filled) > 20

@@ -20,7 +20,9 @@ and initialises its 30 blocks twice), and the float32 draft holds 2x the bf16 we
   does, and a meta tensor left anywhere raises.
 
 Inside ``seeded_weights(seed)`` the loader instead fills every meta tensor with seeded values (the real-size
-benchmark's random weights, no file read): ``fill_seeded``.
+benchmark's random weights, no file read): ``fill_seeded``. ``seeded_weights(seed, draw_dtype=torch.bfloat16)``
+draws every value in bf16 and casts it to the tensor's dtype, so a float32 build of the policy holds exactly
+the bf16 build's values (the float32 reference of zoo's bf16 rule is then the same model, unrounded).
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ META = torch.device("meta")
 FILL_CHUNK = 1 << 22
 
 _building = threading.local()  # .depth: how many module_classes constructors are running on this thread
-_seed: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("zoo_fast_init_seed", default=None)
+# (seed, draw dtype or None) while seeded_weights is active
+_seed: contextvars.ContextVar[Optional[Tuple[int, Optional[torch.dtype]]]] = contextvars.ContextVar(
+    "zoo_fast_init_seed", default=None)
 _MISSING = object()
 _MARK = "_zoo_built_on_meta"  # set on the parameters made here (and on the _apply functions already wrapped)
 
@@ -129,18 +133,36 @@ def parameters_on_meta(module_classes: Sequence[type]) -> Iterator[None]:
 @contextlib.contextmanager
 def built_on_meta(policy_cls: type, module_classes: Sequence[type]) -> Iterator[None]:
     """``policy_cls.from_pretrained`` inside this block: ``module_classes``' parameters built on meta, then
-    loaded by ``load_weights`` (or filled by ``fill_seeded`` inside ``seeded_weights``)."""
+    loaded by ``load_weights`` (or filled by ``fill_seeded`` inside ``seeded_weights``).
+
+    Inside ``seeded_weights(seed)`` the policy's constructor also runs from ``torch.manual_seed(seed)`` in a
+    forked RNG: the parameters outside ``module_classes`` (Fast-WAM's proprio encoder, ...), which no file
+    overwrites then, are the same in every policy built in the block, whatever ran between the builds, and
+    the caller's RNG is left as it was."""
     saved = policy_cls.__dict__.get("_load_as_safetensor", _MISSING)
+    saved_init = policy_cls.__dict__.get("__init__", _MISSING)
+    constructor = policy_cls.__init__
+
+    @functools.wraps(constructor)
+    def __init__(self, *args, **kwargs):
+        seeded = _seed.get()
+        if seeded is None:
+            return constructor(self, *args, **kwargs)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seeded[0])
+            return constructor(self, *args, **kwargs)
 
     def load(cls, model: nn.Module, model_file: str, map_location: str, strict: bool) -> nn.Module:
-        seed = _seed.get()
-        if seed is not None:
-            fill_seeded(model, seed)
+        seeded = _seed.get()
+        if seeded is not None:
+            seed, draw_dtype = seeded
+            fill_seeded(model, seed, draw_dtype=draw_dtype)
         else:
             load_weights(model, model_file, strict=strict)
         return model
 
     policy_cls._load_as_safetensor = classmethod(load)
+    policy_cls.__init__ = __init__
     try:
         with parameters_on_meta(module_classes):
             yield
@@ -149,12 +171,19 @@ def built_on_meta(policy_cls: type, module_classes: Sequence[type]) -> Iterator[
             del policy_cls._load_as_safetensor
         else:
             policy_cls._load_as_safetensor = saved
+        if saved_init is _MISSING:
+            del policy_cls.__init__
+        else:
+            policy_cls.__init__ = saved_init
 
 
 @contextlib.contextmanager
-def seeded_weights(seed: int) -> Iterator[None]:
-    """Inside ``built_on_meta``, fill the weights with seeded values instead of reading the checkpoint."""
-    token = _seed.set(int(seed))
+def seeded_weights(seed: int, draw_dtype: Optional[torch.dtype] = None) -> Iterator[None]:
+    """Inside ``built_on_meta``, fill the weights with seeded values instead of reading the checkpoint
+    (``fill_seeded``; ``draw_dtype``: the dtype the values are drawn in, None: each tensor's own)."""
+    if draw_dtype is not None and not (isinstance(draw_dtype, torch.dtype) and draw_dtype.is_floating_point):
+        raise TypeError(f"seeded_weights draws in a floating torch.dtype, got {draw_dtype!r}")
+    token = _seed.set((int(seed), draw_dtype))
     try:
         yield
     finally:
@@ -245,9 +274,17 @@ def _fill_range(name: str, shape: Sequence[int]) -> Tuple[float, float]:
     return -spread, spread
 
 
-def fill_seeded(module: nn.Module, seed: int, *, threads: Optional[int] = None) -> None:
+def fill_seeded(module: nn.Module, seed: int, *, threads: Optional[int] = None,
+                draw_dtype: Optional[torch.dtype] = None) -> None:
     """Give every meta parameter and buffer of ``module`` storage on the CPU, in its own dtype, filled with
     seeded uniform values (``_fill_range``), drawn in that dtype (no float32 draft).
+
+    With ``draw_dtype`` the values are drawn in ``draw_dtype`` instead, from the same generators, and cast to
+    the tensor's dtype (exact when the tensor's dtype is wider): a module built in float32 and filled with
+    ``draw_dtype=torch.bfloat16`` holds the bf16 build's values exactly, and a tensor already in
+    ``draw_dtype`` is drawn as without it. The module's other floating parameters (built by their
+    constructors) are rounded through ``draw_dtype`` in place, as a checkpoint saved in ``draw_dtype`` would
+    give them: then every parameter of a float32 build is its bf16 build's value upcast.
 
     The values depend only on ``seed``, the tensor's position among the meta tensors (state_dict order) and
     its shape: each chunk of ``FILL_CHUNK`` elements has its own generator, seeded from (seed, tensor,
@@ -260,6 +297,10 @@ def fill_seeded(module: nn.Module, seed: int, *, threads: Optional[int] = None) 
     assigned: Dict[str, torch.Tensor] = {}
     for name, target in targets.items():
         if target.device.type != "meta":
+            if (draw_dtype is not None and isinstance(target, nn.Parameter) and target.dtype.is_floating_point
+                    and target.dtype != draw_dtype):
+                with torch.no_grad():
+                    target.copy_(target.to(draw_dtype))
             continue
         if id(target) not in made:
             if not target.dtype.is_floating_point:
@@ -270,7 +311,7 @@ def fill_seeded(module: nn.Module, seed: int, *, threads: Optional[int] = None) 
             low, high = _fill_range(name, tuple(target.shape))
             flat = value.view(-1)
             for j, start in enumerate(range(0, flat.numel(), FILL_CHUNK)):
-                jobs.append((flat[start:start + FILL_CHUNK], low, high, (seed, index, j)))
+                jobs.append((flat[start:start + FILL_CHUNK], low, high, (seed, index, j), draw_dtype))
             if isinstance(target, nn.Parameter):
                 value = nn.Parameter(value, requires_grad=target.requires_grad)
             made[id(target)] = value
@@ -282,11 +323,16 @@ def fill_seeded(module: nn.Module, seed: int, *, threads: Optional[int] = None) 
     _check_materialised(module)
 
 
-def _fill_chunk(chunk: torch.Tensor, low: float, high: float, key: Tuple[int, int, int]) -> None:
+def _fill_chunk(chunk: torch.Tensor, low: float, high: float, key: Tuple[int, int, int],
+                draw_dtype: Optional[torch.dtype] = None) -> None:
     seed, index, j = key
     # One 63-bit seed per (seed, tensor, chunk); distinct keys give distinct generator streams.
     mixed = (seed * 1_000_003 + index) * 1_000_033 + j
-    chunk.uniform_(low, high, generator=torch.Generator().manual_seed(mixed % (1 << 63)))
+    generator = torch.Generator().manual_seed(mixed % (1 << 63))
+    if draw_dtype is None or draw_dtype == chunk.dtype:
+        chunk.uniform_(low, high, generator=generator)
+    else:  # the same stream drawn in draw_dtype (one chunk-sized scratch tensor), then cast into place
+        chunk.copy_(torch.empty(chunk.shape, dtype=draw_dtype).uniform_(low, high, generator=generator))
 
 
 def same_structure(a: nn.Module, b: nn.Module) -> List[str]:
