@@ -28,12 +28,21 @@ runner with its prompt file.
 Weights: seeded random, no checkpoint download. The policy is built from the recipe's configuration with the
 construction ``bench_real_size`` uses (``fast_init.seeded_weights``; ``seeded_policy_weights`` below is the
 one place to switch to another initialiser); the export unit and LeRobot's policy are built the same way from the
-same seed. The repos the policies load by Hub id are stand-ins in a private cache: the real-size Wan2.2 VAE
+same seed, every value drawn in the unit's dtype (``draw_dtype``): so LeRobot's policy built in float32 (the
+reference of zoo's bf16 rule) holds exactly the bf16 policy's weights, upcast. The repos the policies load by Hub id are stand-ins in a private cache: the real-size Wan2.2 VAE
 (0.7 B parameters, random) and a one-layer UMT5 and tokenizer at the policy's text width.
 
 Stages, each resumable (a 10-minute command limit cuts a real-size run into calls): ``--only lower`` builds,
 exports and lowers into OUT/<policy>/run (skipped when model.pte is already there); ``--only bench`` times an
-already-lowered run. OUT/chunk_latency.json and OUT/chunk_latency.md are rewritten after every policy.
+already-lowered run; ``--only check`` runs the policy check alone over an already-lowered run.
+OUT/chunk_latency.json and OUT/chunk_latency.md are rewritten after every policy.
+
+Policy check (``--policy-check``, after the timing; or ``--only check``): zoo's own check of the run,
+``zoo.policy_check.check_run`` (the runner on ``--backend``/``--device`` against LeRobot's select_action over the
+recipe's policy_check episode), inside the same seeded weights: for a bf16 unit zoo's bf16 rule (per chunk, the
+runner's distance from LeRobot float32 <= bf16_factor x LeRobot bf16's own, cosine >= bf16_min_cosine), for a
+float32 unit the float32 tolerance. Recorded per policy under ``policy_check`` and in its own section of the
+markdown; a failed or broken check fails the policy (exit status 1) without hiding its timing.
 ``--tiny --backend eager --device cpu --no-compile`` checks this script on a CPU.
 """
 
@@ -61,7 +70,7 @@ from bench_real_size import (  # noqa: E402
     fast_wam_config, placeholder_checkpoint, write_seeded_processors)
 from zoo import bench, gpu_steps, pipeline, policies  # noqa: E402
 from zoo.hub_cache import hub_environment, put_in_cache  # noqa: E402
-from zoo.policy_check import checkpoint_in_reach  # noqa: E402
+from zoo.policy_check import check_run, checkpoint_in_reach  # noqa: E402
 from zoo.policies import fast_init  # noqa: E402
 from zoo.policies.tiny_wan import real_size_wan22_vae  # noqa: E402
 from zoo.recipes import load_recipe  # noqa: E402
@@ -88,11 +97,14 @@ def say(message: str) -> None:
 
 
 @contextlib.contextmanager
-def seeded_policy_weights(seed: int) -> Iterator[None]:
+def seeded_policy_weights(seed: int, draw_dtype: torch.dtype) -> Iterator[None]:
     """The one place a real-size policy gets its weights: the families' large modules built on meta and filled
     with values seeded by ``seed`` (``fast_init.seeded_weights``, bench_real_size's way), the rest by LeRobot's
-    constructors from the same torch seed; no file read."""
-    with torch.random.fork_rng(devices=[]), fast_init.seeded_weights(seed):
+    constructors from ``torch.manual_seed(seed)`` (each policy built in the block); no file read. Every value is
+    drawn in (or rounded through) ``draw_dtype``, the unit's dtype: a policy built in another dtype (the bf16
+    rule's float32 reference) holds the same weights. For a bf16 unit that is how its bf16 tensors were drawn
+    before ``draw_dtype`` existed (tests/policies/test_fast_init_lerobot.py)."""
+    with torch.random.fork_rng(devices=[]), fast_init.seeded_weights(seed, draw_dtype=draw_dtype):
         torch.manual_seed(seed)
         yield
 
@@ -149,8 +161,9 @@ def policy_source(family: str, recipe, work: Path, tiny: bool) -> Iterator[Tuple
     if not cache.is_dir():
         say(f"{family}: writing the Hub stand-ins (real-size Wan2.2 VAE) into {cache}")
         standin_repos(family, config, cache, recipe.source.seed)
+    draw_dtype = getattr(torch, recipe.unit.dtype)
     with hub_environment(cache, offline=True):
-        yield checkpoint, lambda: seeded_policy_weights(recipe.source.seed)
+        yield checkpoint, lambda: seeded_policy_weights(recipe.source.seed, draw_dtype)
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -273,12 +286,16 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
     have = run.pte.is_file() if args.backend == "artifact" else run.program("rewritten", recipe.unit.methods[0]).is_file()
     try:
         with policy_source(family, recipe, work, args.tiny) as (checkpoint, weights):
-            if not have and args.only != "bench":
+            if not have and args.only not in ("bench", "check"):
                 say(f"{family}: build, export and lower ({', '.join(recipe.unit.methods)}) into {run.path}")
                 lower_policy(family, recipe, run, checkpoint, weights, args.device)
             record["run"] = str(run.path)
             if args.only == "lower":
                 record["status"] = "lowered"
+                return
+            if args.only == "check":
+                record["status"] = "checked"
+                policy_check(family, recipe, run, checkpoint, weights, args, record)
                 return
             settings = run.read_host_settings()
             steps = RUNNERS[settings["policy_type"]].episode_steps(settings, args.chunks)
@@ -324,7 +341,12 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
             record["runner_vs_eager_rel_l2"] = float(diff.norm() / timed["eager"]["actions"].norm())
             record["ratios"] = ratios(record["candidates"])
             record["status"] = "done"
-            del policy, pre, post, reference
+            del policy, pre, post, reference, timed
+            if args.policy_check:
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                policy_check(family, recipe, run, checkpoint, weights, args, record)
     except Exception as exc:  # one policy failing (out of memory, a lowering refusal) must not lose the other
         record["status"] = "failed"
         record["error"] = bench.error_line(exc)
@@ -334,6 +356,35 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def policy_check(family: str, recipe, run: RunFolder, checkpoint: Path, weights: Callable, args,
+                 record: Dict[str, Any]) -> None:
+    """zoo's policy check of the lowered run, inside the policy's seeded weights (LeRobot's bf16 and float32
+    policies and the unit then hold the same values), recorded under ``record["policy_check"]``. A check that
+    fails, or cannot run, is recorded as such; main() counts it as the policy's failure."""
+    say(f"{family}: policy check ({args.backend} runner against LeRobot, {recipe.unit.dtype} unit)")
+    entry: Dict[str, Any] = {}
+    record["policy_check"] = entry
+    started = time.perf_counter()
+    try:
+        with weights():
+            result = check_run(run, recipe, checkpoint, backend=args.backend, device=args.device)
+        entry.update(status="passed" if result.ok else "failed", result=result.as_dict(), table=result.table())
+        print(result.table(), file=sys.stderr, flush=True)
+    except Exception as exc:  # the check not running is a failure of its own, with the reason kept
+        entry.update(status="error", error=bench.error_line(exc), traceback=traceback.format_exc(limit=8))
+        say(f"{family} policy check could not run: {entry['error']}")
+    entry["seconds"] = round(time.perf_counter() - started, 1)
+    if entry["status"] != "passed":
+        say(f"{family}: policy check {entry['status']}")
+
+
+def check_passed(record: Dict[str, Any]) -> bool:
+    """Whether the policy's record holds no failure: timing done (or lowered/checked only), and a policy check,
+    where one ran, passed."""
+    check = record.get("policy_check")
+    return record.get("status") in ("done", "lowered", "checked") and (check is None or check["status"] == "passed")
 
 
 def ratios(candidates: Dict[str, Dict[str, Any]]) -> Dict[str, Optional[float]]:
@@ -369,6 +420,8 @@ def table_rows(results: Dict[str, Any]) -> List[List[str]]:
         return f"{value:.2f}x ({'meets' if value <= TARGETS[key] else 'misses'} <= {TARGETS[key]})"
 
     for r in results["policies"]:
+        if r.get("status") == "checked":
+            continue  # the policy check alone: its own section
         if r.get("status") != "done":
             rows.append([r["policy"], r.get("status", "?"), r.get("error", "")] + [""] * 8)
             continue
@@ -388,7 +441,28 @@ def write(results: Dict[str, Any], out: Path) -> None:
           f"Command: `{results['command']}`", "",
           f"GPU: {env.get('gpu') or env.get('device')}; torch {env.get('torch')}; executorch {env.get('executorch')}.",
           "", markdown_table(table_rows(results)), ""]
+    md += policy_check_section(results)
     (out / MD_NAME).write_text("\n".join(md))
+
+
+def policy_check_section(results: Dict[str, Any]) -> List[str]:
+    """The markdown section of the policy checks that ran: verdict, rule and zoo's per-chunk table."""
+    checked = [r for r in results["policies"] if r.get("policy_check")]
+    if not checked:
+        return []
+    md = ["## Policy check: the runner against LeRobot's select_action (zoo.policy_check.check_run)", "",
+          ("zoo's fabricated tiny checkpoints." if results["settings"]["tiny"] else
+           "Seeded weights drawn in the unit's dtype, so LeRobot's bf16 and float32 policies and the lowered unit "
+           "hold the same values.")
+          + " A bf16 unit is judged by zoo's bf16 rule, a float32 one by its float32 tolerance.", ""]
+    for r in checked:
+        c = r["policy_check"]
+        result = c.get("result") or {}
+        md.append(f"### {r['policy']} ({r['dtype']}): {c['status'].upper()}"
+                  + (f", {result.get('rule')} rule, {result.get('chunks')} chunks" if result else "")
+                  + f" ({c.get('seconds')} s)")
+        md += ["", "```", c.get("table") or c.get("error", ""), "```", ""]
+    return md
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -400,8 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=4, help="whole chunks per episode; 2..N are timed (default 4)")
     p.add_argument("--episodes", type=int, default=3, help="timed episodes after one untimed (default 3)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", choices=("lower", "bench"), default=None,
-                   help="lower: build, export and lower only; bench: time an already-lowered run only")
+    p.add_argument("--only", choices=("lower", "bench", "check"), default=None,
+                   help="lower: build, export and lower only; bench: time an already-lowered run only; check: "
+                        "the policy check of an already-lowered run only")
+    p.add_argument("--policy-check", action="store_true",
+                   help="after the timing, zoo's policy check of the run (bf16 rule for a bf16 unit)")
     p.add_argument("--backend", choices=("artifact", "eager"), default="artifact",
                    help="the runner's backend (eager: the rewritten programs, for a CPU check of this script)")
     p.add_argument("--no-compile", action="store_true", help="skip the LeRobot torch.compile candidate")
@@ -419,13 +496,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     command = "python scripts/bench_chunk.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     results: Dict[str, Any] = {"command": command, "environment": bench.environment(args.device),
                                "settings": {"chunks": args.chunks, "episodes": args.episodes, "seed": args.seed,
-                                            "backend": args.backend, "tiny": args.tiny},
+                                            "backend": args.backend, "tiny": args.tiny,
+                                            "policy_check": args.policy_check or args.only == "check"},
                                "targets": TARGETS, "policies": []}
     for family in args.policies:
         bench_policy(family, args, out, results)
         write(results, out)
     print(format_table(table_rows(results)))
-    failed = [r["policy"] for r in results["policies"] if r.get("status") not in ("done", "lowered")]
+    for line in policy_check_section(results):
+        print(line)
+    failed = [r["policy"] for r in results["policies"] if not check_passed(r)]
     return 1 if failed else 0
 
 
