@@ -29,13 +29,15 @@ Weights: seeded random, no checkpoint download. The policy is built from the rec
 construction ``bench_real_size`` uses (``fast_init.seeded_weights``; ``seeded_policy_weights`` below is the
 one place to switch to another initialiser); the export unit and LeRobot's policy are built the same way from the
 same seed, every value drawn in the unit's dtype (``draw_dtype``): so LeRobot's policy built in float32 (the
-reference of zoo's bf16 rule) holds exactly the bf16 policy's weights, upcast. The repos the policies load by Hub id are stand-ins in a private cache: the real-size Wan2.2 VAE
+reference of zoo's bf16 rule) holds exactly the bf16 policy's weights, upcast. The repos the policies load by
+Hub id are stand-ins in a private cache: the real-size Wan2.2 VAE
 (0.7 B parameters, random) and a one-layer UMT5 and tokenizer at the policy's text width.
 
 Stages, each resumable (a 10-minute command limit cuts a real-size run into calls): ``--only lower`` builds,
 exports and lowers into OUT/<policy>/run (skipped when model.pte is already there); ``--only bench`` times an
 already-lowered run; ``--only check`` runs the policy check alone over an already-lowered run.
-OUT/chunk_latency.json and OUT/chunk_latency.md are rewritten after every policy.
+OUT/chunk_latency.json and OUT/chunk_latency.md are rewritten after every policy (by ``--only check``:
+OUT/policy_check.json and OUT/policy_check.md, so an earlier timing stays).
 
 Policy check (``--policy-check``, after the timing; or ``--only check``): zoo's own check of the run,
 ``zoo.policy_check.check_run`` (the runner on ``--backend``/``--device`` against LeRobot's select_action over the
@@ -86,6 +88,8 @@ POLICIES = {"lingbot_va": ("lingbot-va", "lingbot-va-tiny"), "fast_wam": ("fast-
 COMPILED_BLOCKS = {"lingbot_va": "transformer.blocks", "fast_wam": "model.mot.layers"}
 TARGETS = {"runner/eager": 0.5, "runner/compile": 1.0}
 JSON_NAME, MD_NAME = "chunk_latency.json", "chunk_latency.md"
+# --only check writes its own files, so that it does not overwrite an earlier --only bench's timing.
+CHECK_JSON_NAME, CHECK_MD_NAME = "policy_check.json", "policy_check.md"
 
 
 def say(message: str) -> None:
@@ -435,14 +439,18 @@ def table_rows(results: Dict[str, Any]) -> List[List[str]]:
 
 
 def write(results: Dict[str, Any], out: Path) -> None:
-    (out / JSON_NAME).write_text(json.dumps(results, indent=2, default=str))
+    check_only = results["settings"]["only"] == "check"
+    json_name, md_name = (CHECK_JSON_NAME, CHECK_MD_NAME) if check_only else (JSON_NAME, MD_NAME)
+    (out / json_name).write_text(json.dumps(results, indent=2, default=str))
     env = results["environment"]
-    md = ["# Chunk latency: observation -> actions for one whole chunk", "",
+    title = ("Policy check of the lowered runs" if check_only
+             else "Chunk latency: observation -> actions for one whole chunk")
+    md = [f"# {title}", "",
           f"Command: `{results['command']}`", "",
           f"GPU: {env.get('gpu') or env.get('device')}; torch {env.get('torch')}; executorch {env.get('executorch')}.",
-          "", markdown_table(table_rows(results)), ""]
+          ""] + ([] if check_only else [markdown_table(table_rows(results)), ""])
     md += policy_check_section(results)
-    (out / MD_NAME).write_text("\n".join(md))
+    (out / md_name).write_text("\n".join(md))
 
 
 def policy_check_section(results: Dict[str, Any]) -> List[str]:
@@ -497,12 +505,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     results: Dict[str, Any] = {"command": command, "environment": bench.environment(args.device),
                                "settings": {"chunks": args.chunks, "episodes": args.episodes, "seed": args.seed,
                                             "backend": args.backend, "tiny": args.tiny,
+                                            "only": args.only,
                                             "policy_check": args.policy_check or args.only == "check"},
                                "targets": TARGETS, "policies": []}
     for family in args.policies:
         bench_policy(family, args, out, results)
         write(results, out)
-    print(format_table(table_rows(results)))
+    if args.only != "check":
+        print(format_table(table_rows(results)))
     for line in policy_check_section(results):
         print(line)
     failed = [r["policy"] for r in results["policies"] if not check_passed(r)]
