@@ -115,6 +115,25 @@ def _threads_per_worker() -> None:
 _threads_per_worker()
 
 
+@pytest.fixture(autouse=True)
+def zoo_logging_as_a_fresh_process_has_it():
+    """Each test starts with the "zoo" logger as a fresh process has it, whichever tests its worker ran before:
+    a command's main (``zoo.progress.setup_logging``) takes it off the root logger, where ``caplog`` listens,
+    for the rest of the process."""
+    import logging
+
+    from zoo import progress
+
+    logger = logging.getLogger("zoo")
+    saved = (list(logger.handlers), logger.level, logger.propagate, progress.setup_logging.__dict__.copy())
+    yield
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+    progress.setup_logging.__dict__.clear()
+    progress.setup_logging.__dict__.update(saved[3])
+
+
 # --------------------------------------------------------------------------------------------------------
 # The fault-injection table (tests/test_faults.py)
 
