@@ -18,17 +18,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Dict
 
 import pytest
 
-# A subprocess that imports this module (tests/faults/inject.py) shares the session's sandbox.
-_OWN_SANDBOX = "ZOO_TEST_SANDBOX" not in os.environ
+# A subprocess that imports this module (the fault-injection children, tests/fault_injection.py) shares the
+# session's sandbox. Under pytest-xdist each worker is a session of its own with its own sandbox (its caches
+# are written by its tests only), not the controller's it inherits.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_OWN_SANDBOX = "ZOO_TEST_SANDBOX" not in os.environ or os.environ.get("ZOO_TEST_SANDBOX_WORKER") != _WORKER
 _SANDBOX = Path(tempfile.mkdtemp(prefix="zoo-tests-") if _OWN_SANDBOX else os.environ["ZOO_TEST_SANDBOX"])
 os.environ["ZOO_TEST_SANDBOX"] = str(_SANDBOX)
+os.environ["ZOO_TEST_SANDBOX_WORKER"] = _WORKER
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_CACHE"] = str(_SANDBOX / "hf-cache")
 os.environ["ZOO_TINY_HUB_CACHE"] = str(_SANDBOX / "tiny-hub")
@@ -49,18 +52,111 @@ zoo.policies.__path__.append(str(TEST_FAMILIES))
 TOY_MODEL_TYPE = "zoo_toy"
 
 
+# --------------------------------------------------------------------------------------------------------
+# Running in parallel (pytest-xdist; pyproject.toml's addopts ask for ``-n auto``)
+
+# Scheduled first, the longest first, each as one unit: the session is as long as its longest worker, and a
+# long module started last would run alone at the end. Every other module follows in collection order.
+LONGEST_FIRST = ("tests/test_faults.py", "tests/runner/test_lingbot_va_runner.py",
+                 "tests/runner/test_fast_wam_runner.py", "tests/test_cli.py", "tests/test_lowering_workers.py")
+# Modules that share a session fixture run on one worker, so that it is built once:
+# conftest.llama_tiny_readme_run (the README's main job) is checked by both of these.
+SAME_WORKER = {"tests/test_readme.py": "tests/test_cli.py"}
+MAX_WORKERS = 4  # 24 GiB of memory: each worker may hold a tiny LeRobot policy and a lowering at once
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core this process may run on, at most MAX_WORKERS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_WORKERS))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole modules to a worker (their module-scoped fixtures are built once), the longest first."""
+    from collections import OrderedDict
+
+    from xdist.scheduler import LoadScopeScheduling
+
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+
+    class LongestFirst(OrderedDict):
+        """The work queue: the next unit handed out is the best-ranked one, else the first queued."""
+
+        def popitem(self, last=True):
+            scope = min(self, key=lambda s: rank.get(s, len(rank)))
+            return scope, self.pop(scope)
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.workqueue = LongestFirst()
+
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return SAME_WORKER.get(module, module)
+
+    return ModuleScheduling(config, log)
+
+
+def _threads_per_worker() -> None:
+    """Under xdist, the cores shared out between the workers: torch's own thread pool (and a subprocess's, through
+    OMP_NUM_THREADS) gets its share, so that workers do not spin on each other's cores."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not _WORKER or count < 1:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // count)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_threads_per_worker()
+
+
+@pytest.fixture(autouse=True)
+def zoo_logging_as_a_fresh_process_has_it():
+    """Each test starts with the "zoo" logger as a fresh process has it, whichever tests its worker ran before:
+    a command's main (``zoo.progress.setup_logging``) takes it off the root logger, where ``caplog`` listens,
+    for the rest of the process."""
+    import logging
+
+    from zoo import progress
+
+    logger = logging.getLogger("zoo")
+    saved = (list(logger.handlers), logger.level, logger.propagate, progress.setup_logging.__dict__.copy())
+    yield
+    logger.handlers[:] = saved[0]
+    logger.setLevel(saved[1])
+    logger.propagate = saved[2]
+    progress.setup_logging.__dict__.clear()
+    progress.setup_logging.__dict__.update(saved[3])
+
+
+# --------------------------------------------------------------------------------------------------------
+# The fault-injection table (tests/test_faults.py)
+
+FAULT_ROWS = []  # (case index, row) of each fault case, as the reports bring them (from the workers under xdist)
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call":
+        FAULT_ROWS.extend(value for name, value in report.user_properties if name == "fault_row")
+
+
 def pytest_terminal_summary(terminalreporter):
-    """The fault-injection table (tests/test_faults.py) at the end of the session, and as JSON lines where
-    ZOO_FAULT_TABLE names a file (scripts/fault_table.py)."""
-    outcomes = getattr(sys.modules.get("test_faults"), "OUTCOMES", None)
-    if not outcomes:
+    """The fault-injection table at the end of the session, and as JSON lines where ZOO_FAULT_TABLE names a file
+    (scripts/fault_table.py)."""
+    if not FAULT_ROWS or hasattr(terminalreporter.config, "workerinput"):
         return
     import fault_injection
 
-    terminalreporter.write_sep("=", f"fault injection: {len(outcomes)} cases")
-    terminalreporter.write_line(fault_injection.markdown_table(outcomes))
+    rows = [row for _, row in sorted(FAULT_ROWS, key=lambda item: item[0])]
+    terminalreporter.write_sep("=", f"fault injection: {len(rows)} cases")
+    terminalreporter.write_line(fault_injection.markdown_table(rows))
     if os.environ.get("ZOO_FAULT_TABLE"):
-        fault_injection.write_table_rows(Path(os.environ["ZOO_FAULT_TABLE"]), outcomes)
+        fault_injection.write_table_rows(Path(os.environ["ZOO_FAULT_TABLE"]), rows)
 
 
 def pytest_sessionfinish(session, exitstatus):

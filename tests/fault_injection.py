@@ -15,8 +15,9 @@ stores a real ELF library as each method's ``.so``, and the ``.so`` is "run" by 
 compiled from, fed in the delegate's input order, after checking that the bytes handed over are the compiled
 ones (a damaged library fails to load, as dlopen would).
 
-Children are forked from a server that has imported torch, executorch and zoo once
-(``multiprocessing``'s forkserver): each case costs only its own work, which keeps the whole table CI-cheap.
+Children are forked from a server that has imported torch, executorch and zoo once and built one good run of
+its own (``multiprocessing``'s forkserver; tests/fault_warmup.py): each case costs only its own work, which
+keeps the whole table CI-cheap.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import hashlib
 import importlib.util
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import shutil
 import signal
@@ -278,8 +280,13 @@ def _hook_publish(fault: str) -> None:
     zoo.publishing._place = place
 
 
-def child(case: Dict, run: str, extra: List[str], out: str, err: str) -> None:
-    """The forked child: stdout/stderr to files, the fault installed, zoo's command line run."""
+def child(case: Dict, run: str, extra: List[str], out: str, err: str, pythonpath: Optional[str]) -> None:
+    """The forked child: stdout/stderr to files, the fault installed, zoo's command line run (in the
+    environment of the test that started it: ``pythonpath`` is its PYTHONPATH)."""
+    if pythonpath is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = pythonpath
     for fd, path in ((1, out), (2, err)):
         handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(handle, fd)
@@ -329,9 +336,22 @@ _CONTEXT: List[multiprocessing.context.BaseContext] = []
 def _context():
     if not _CONTEXT:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["fault_injection"])
+        # fault_warmup builds one good run in the server, so that the first-use set-up of torch.export and
+        # ExecuTorch is not paid again by every child.
+        ctx.set_forkserver_preload(["fault_injection", "fault_warmup"])
+        # The server imports its preload modules before it knows this process's sys.path (Python 3.12's
+        # forkserver does not apply it), so it finds them only through PYTHONPATH: without it the import fails
+        # silently and every case imports torch, executorch and zoo anew. The children get PYTHONPATH back as
+        # this process has it (``child``).
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), *_pythonpath()]))
+            multiprocessing.forkserver.ensure_running()
         _CONTEXT.append(ctx)
     return _CONTEXT[0]
+
+
+def _pythonpath() -> List[str]:
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
 def run_case(case: Case, run: Path, checkpoint: Optional[Path], logs: Path) -> Outcome:
@@ -340,7 +360,8 @@ def run_case(case: Case, run: Path, checkpoint: Optional[Path], logs: Path) -> O
     before = hashes(run)
     logs.mkdir(parents=True, exist_ok=True)
     out, err = logs / f"{case.id}.out", logs / f"{case.id}.err"
-    process = _context().Process(target=child, args=(asdict(case), str(run), extra, str(out), str(err)))
+    process = _context().Process(target=child, args=(asdict(case), str(run), extra, str(out), str(err),
+                                                     os.environ.get("PYTHONPATH")))
     process.start()
     process.join(TIMEOUT)
     if process.is_alive():
@@ -377,18 +398,19 @@ def _failed_at(run: Path, outcome: Outcome) -> str:
     return "-"
 
 
-def markdown_table(outcomes: List[Outcome]) -> str:
+def markdown_table(rows: List[List[str]]) -> str:
+    """The table of outcomes' rows (``Outcome.row``)."""
     from zoo.report import markdown_table as table
 
     header = ["command", "stage", "fault", "exit", "failed at", "message", "earlier run intact"]
-    return table([header] + [o.row() for o in outcomes])
+    return table([header] + rows)
 
 
-def write_table_rows(path: Path, outcomes: List[Outcome]) -> None:
-    """Append the outcomes' rows as JSON lines (``scripts/fault_table.py`` reads them)."""
+def write_table_rows(path: Path, rows: List[List[str]]) -> None:
+    """Append outcomes' rows as JSON lines (``scripts/fault_table.py`` reads them)."""
     with open(path, "a") as fh:
-        for o in outcomes:
-            fh.write(json.dumps(o.row()) + "\n")
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
 
 
 def copy_run(good: Path, folder: Path) -> Path:

@@ -218,6 +218,9 @@ def test_policy_tiny_recipes_end_to_end(tmp_path, recipe):
     check = data["policy_check"]["cpu"]
     assert check["passed"] and check["rule"] == "float32" and len(check["rows"]) == 4
     assert all(row["ok"] and row["rel_l2"] <= 1e-5 for row in check["rows"])
+    # Chunks grouped as the runner predicts them (the recipes' action chunks), and the table says so.
+    steps = {"lingbot-va-tiny": [12, 16, 16, 1], "fast-wam-tiny": [32, 32, 32, 1]}[recipe]
+    assert [row["steps"] for row in check["rows"]] == steps and "chunk" in check["table"]
     assert re.search(r"^policy_check\s+done", proc.stdout, re.M)
 
 

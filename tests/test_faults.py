@@ -18,7 +18,7 @@ from zoo.atomic import remove_dead_leftovers
 
 from conftest import TEST_RECIPES, ToyFamily
 
-OUTCOMES = []  # the table the session prints at its end (conftest.pytest_terminal_summary)
+CASES = fi.all_cases()
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +35,14 @@ def checkpoint(tmp_path_factory):
     return ToyFamily.fabricate_checkpoint(recipe, tmp_path_factory.mktemp("ckpt"))[recipe.source.repo_id]
 
 
-@pytest.mark.parametrize("case", fi.all_cases(), ids=lambda c: c.id)
-def test_fault(case, good, checkpoint, tmp_path):
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_fault(case, good, checkpoint, tmp_path, record_property):
     run = fi.copy_run(good, tmp_path / "runs")
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoint, ckpt)
     outcome = fi.run_case(case, run, ckpt, tmp_path / "logs")
-    OUTCOMES.append(outcome)
+    # The row of the table the session prints at its end (conftest.pytest_terminal_summary).
+    record_property("fault_row", (CASES.index(case), outcome.row()))
     shown = f"\n--- stdout\n{outcome.stdout[-3000:]}\n--- stderr\n{outcome.stderr[-3000:]}"
 
     assert outcome.exit_code == case.exit_code, shown

@@ -92,18 +92,6 @@ def test_progress_names_each_method_and_each_worker_has_its_log(parallel):
         assert f"{method}: lowered in" in parallel["parts"][method].log.read_text()
 
 
-def test_one_worker_at_a_time_when_so_bounded(tmp_path):
-    (tmp_path / "rendezvous").mkdir()
-
-    def options(method):  # each waits briefly for the other: with one worker at a time it never comes
-        return {"rendezvous": str(tmp_path / "rendezvous"), "rendezvous_s": 3,
-                "rendezvous_with": [m for m in ("a", "b") if m != method]}
-
-    parts = workers.lower_in_workers(saved_jobs(tmp_path / "programs", options), FUNCTION, tmp_path / "work",
-                                     max_workers=1, env=ENV, say=lambda line: None)
-    assert parts["a"].record["saw"] == [] and parts["b"].record["saw"] == ["a"]
-
-
 class RecordingBar:
     """Stands in for zoo.progress.Progress: what the bar was told, in order."""
 
@@ -117,12 +105,24 @@ class RecordingBar:
         self.calls.append(("advance", n))
 
 
-def test_the_bar_names_the_running_methods_and_counts_each_one_done(tmp_path):
+def test_one_worker_at_a_time_when_so_bounded_and_the_bar_names_each_one(tmp_path):
+    # One lowering serves both checks (each pair of workers costs two fresh Python processes).
+    (tmp_path / "rendezvous").mkdir()
+
+    def options(method):  # each waits briefly for the other: with one worker at a time it never comes
+        return {"rendezvous": str(tmp_path / "rendezvous"), "rendezvous_s": 3,
+                "rendezvous_with": [m for m in ("a", "b") if m != method]}
+
     bar = RecordingBar()
-    workers.lower_in_workers(saved_jobs(tmp_path / "programs", lambda m: {}), FUNCTION, tmp_path / "work",
-                             max_workers=1, env=ENV, say=lambda line: None, bar=bar)
+    parts = workers.lower_in_workers(saved_jobs(tmp_path / "programs", options), FUNCTION, tmp_path / "work",
+                                     max_workers=1, env=ENV, say=lambda line: None, bar=bar)
+    assert parts["a"].record["saw"] == [] and parts["b"].record["saw"] == ["a"]
+    # The bar names the running method and counts each one done.
     assert bar.calls == [("begin", "a"), ("advance", 1), ("begin", ""), ("begin", "b"), ("advance", 1),
                          ("begin", "")]
+
+
+def test_the_in_process_bar_names_the_running_methods_and_counts_each_one_done(tmp_path):
     bar = RecordingBar()
     workers.lower_in_process(saved_jobs(tmp_path / "programs2", lambda m: {}), FUNCTION, tmp_path / "here",
                              pythonpath=[str(FIXTURES)], say=lambda line: None, bar=bar)
