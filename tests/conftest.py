@@ -126,6 +126,12 @@ def zoo_logging_as_a_fresh_process_has_it():
 
     logger = logging.getLogger("zoo")
     saved = (list(logger.handlers), logger.level, logger.propagate, progress.setup_logging.__dict__.copy())
+    # As a fresh process has it, not as found: a session or module fixture set up before this one (the README's
+    # main job, run in this process) may already have run a command's main.
+    logger.handlers[:] = []
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = True
+    progress.setup_logging.__dict__.pop("_done", None)
     yield
     logger.handlers[:] = saved[0]
     logger.setLevel(saved[1])
