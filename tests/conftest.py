@@ -65,11 +65,15 @@ SAME_WORKER = {"tests/test_readme.py": "tests/test_cli.py"}
 MAX_WORKERS = 4  # 24 GiB of memory: each worker may hold a tiny LeRobot policy and a lowering at once
 
 
+def _cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core this process may run on, at most MAX_WORKERS."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores, MAX_WORKERS))
+    return max(1, min(_cores(), MAX_WORKERS))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -106,8 +110,7 @@ def _threads_per_worker() -> None:
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if not _WORKER or count < 1:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // count)
+    threads = max(1, _cores() // count)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
 
