@@ -190,7 +190,7 @@ def lower_policy(family: str, recipe, run: RunFolder, checkpoint: Path, weights:
         del programs
         gc.collect()
         if torch.device(device).type == "cuda":
-            gpu_steps.preflight_step(rewritten, recipe, report)
+            # lower_step runs the kernel preflight on each method's own edge program: no second to_edge here.
             gpu_steps.lower_step(rewritten, run, recipe, report)
         else:  # the eager backend (a CPU check of this script) runs the rewritten programs
             pipeline.save_step(rewritten, recipe, run, report)

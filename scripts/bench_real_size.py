@@ -283,7 +283,7 @@ def run_unit(spec: UnitSpec, args, out_dir: Path, results: Dict[str, Any]) -> No
         del programs
         gc.collect()
         if torch.device(args.device).type == "cuda":
-            gpu_steps.preflight_step(rewritten, selected, report)
+            # lower_step runs the kernel preflight on each method's own edge program: no second to_edge here.
             gpu_steps.lower_step(rewritten, run, selected, report)
             del rewritten
             gc.collect()

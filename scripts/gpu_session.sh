@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU evidence of issues 12-14 in one held H200, started by one call and waited on by the next ones:
 #
-#   scripts/gpu_session.sh BUNDLE_DIR ET_SRC|- WORK [--jobs A,B,...] [--real RECIPE:METHODS]   (returns once every job is started)
+#   scripts/gpu_session.sh BUNDLE_DIR ET_SRC|- WORK [--jobs A,B,...] [--real RECIPE:METHODS] [--chunk POLICY]   (returns once every job is started)
 #   scripts/gpu_jobs.sh wait WORK 560; scripts/gpu_jobs.sh collect WORK $OUT real/summary.txt ...   (later calls)
 #
 # Jobs (scripts/gpu_jobs.sh; --jobs picks them, default real,runtime,tiny,tiny-et,real-et; ET_SRC may be - when
@@ -21,6 +21,11 @@
 #   tiny-bf16 after real (when real is a job): scripts/gpu_check.sh on the tiny LingBot-VA and Fast-WAM recipes
 #             exported in bf16 (unit.dtype=bfloat16): verified under zoo's bf16 rule and policy-checked on the
 #             GPU against LeRobot under the same rule (issue 13), alone on the machine
+#   chunk     after real (when real is a job): scripts/bench_chunk.py on --chunk's policy (default fast_wam) in
+#             three jobs, one after the other, alone on the machine (issue 13): chunk-lower (build, export and lower
+#             every method under the sampling profiler), chunk-check (zoo's policy check at real size, the artifact
+#             runner against LeRobot under the bf16 rule), chunk-bench (whole-chunk latency: runner, LeRobot eager,
+#             LeRobot torch.compile); WORK/chunk holds their tables and JSON
 # Every job writes its log under WORK/jobs/NAME and its tables and JSON under WORK; nothing here waits for them.
 set -uo pipefail
 usage() { sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
@@ -29,16 +34,17 @@ BUNDLE="$(cd "$1" && pwd)"; ET_SRC="$2"
 [ "$ET_SRC" = - ] || ET_SRC="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"
 mkdir -p "$3"; WORK="$(cd "$3" && pwd)"
 shift 3
-JOBS=",real,runtime,tiny,tiny-et,real-et,"; REAL_SPEC="lingbot-va:video_step,action_step"
+JOBS=",real,runtime,tiny,tiny-et,real-et,"; REAL_SPEC="lingbot-va:video_step,action_step"; CHUNK_POLICY=fast_wam
 while [ $# -gt 0 ]; do
   case "$1" in
     --jobs) JOBS=",$2,"; shift 2 ;;
     --real) REAL_SPEC="$2"; shift 2 ;;
+    --chunk) CHUNK_POLICY="$2"; shift 2 ;;
     *) echo "gpu_session: unknown option $1" >&2; usage ;;
   esac
 done
 for job in ${JOBS//,/ }; do
-  case "$job" in real|runtime|tiny|tiny-et|real-et|tiny-bf16) ;; *) echo "gpu_session: unknown job $job" >&2; exit 2 ;; esac
+  case "$job" in real|runtime|tiny|tiny-et|real-et|tiny-bf16|chunk) ;; *) echo "gpu_session: unknown job $job" >&2; exit 2 ;; esac
 done
 want() { [[ "$JOBS" == *",$1,"* ]]; }
 if want runtime && [ "$ET_SRC" = - ]; then echo "gpu_session: the runtime job needs ET_SRC (the ExecuTorch source tarball)" >&2; exit 2; fi
@@ -65,7 +71,7 @@ in_env() { echo "source $WORK/env.sh && cd $REPO && $*"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
   "$BUNDLE"/wheels/*.whl || { echo "gpu_session: offline install failed" >&2; exit 2; }
 chmod +x "$SITE/executorch/data/bin/flatc"
-mkdir -p "$WORK/real" "$WORK/runs"
+mkdir -p "$WORK/real" "$WORK/runs" "$WORK/chunk"
 if want real; then
   "$J" start "$WORK" real --limit 1500 -- bash -c "$(in_env python3 -m zoo.sampling_profiler \
     --out "$WORK/real/profile.txt" scripts/real_size.py --out "$WORK/real" --recipe "$REAL_RECIPE" \
@@ -84,5 +90,13 @@ if want tiny-bf16; then
   after=(); want real && after=(--after real)
   "$J" start "$WORK" tiny-bf16 "${after[@]}" --limit 900 -- env ZOO_SITE="$WORK/check-site" ZOO_RUNS="$WORK/runs-bf16" \
     ZOO_EXPORT_ARGS="unit.dtype=bfloat16" bash scripts/gpu_check.sh "$BUNDLE" lingbot-va-tiny fast-wam-tiny
+fi
+if want chunk; then
+  after=(); want real && after=(--after real)
+  chunk() { in_env python3 scripts/bench_chunk.py --out "$WORK/chunk" --policies "$CHUNK_POLICY" "$@"; }
+  "$J" start "$WORK" chunk-lower "${after[@]}" --limit 1500 -- bash -c "$(in_env python3 -m zoo.sampling_profiler \
+    --out "$WORK/chunk/lower-profile.txt" scripts/bench_chunk.py --out "$WORK/chunk" --policies "$CHUNK_POLICY" --only lower)"
+  "$J" start "$WORK" chunk-check --after chunk-lower --limit 900 -- bash -c "$(chunk --only check)"
+  "$J" start "$WORK" chunk-bench --after chunk-check --limit 1200 -- bash -c "$(chunk --only bench)"
 fi
 "$J" table "$WORK"

@@ -63,7 +63,7 @@ from zoo import atomic, bench, exporting, gpu_steps, pipeline  # noqa: E402
 from zoo.lowering import CUDA_LOWERING, MethodLowering  # noqa: E402
 from zoo.lowering_workers import ENV_PROFILE_DIR, resolve_function  # noqa: E402
 from zoo.recipes import load_recipe  # noqa: E402
-from zoo.report import RunReport, format_table  # noqa: E402
+from zoo.report import RunReport, format_table, record_failure  # noqa: E402
 from zoo.run_folder import RunFolder  # noqa: E402
 
 
@@ -211,9 +211,13 @@ def run(args) -> int:
         with progress.stage("sizes", seconds):
             summary["sizes"] = sizes(run_folder, summary, lowered)
         summary["status"] = "done" if summary.get("verified", True) else "verification failed"
+        # The run folder's own report says what its artifact is (report.md's headline read "Status: ?").
+        report.record("status", "lowered" if args.no_verify else
+                      "verified" if summary.get("verified") else "failed")
     except BaseException as exc:
         summary["status"] = "failed"
         summary["error"] = bench.error_line(exc)
+        record_failure(report, exc)
         flush()
         raise
     finally:
