@@ -196,8 +196,7 @@ def run(args) -> int:
         for m, art in lowered.methods.items():
             summary["per_method"][m].update(lower_seconds=art.seconds, lower_stages=art.stage_seconds,
                                             so_bytes=art.so_bytes, weights_bytes=art.weights_bytes,
-                                            shares_weights_with=art.shares_weights_with,
-                                            compile_pool=art.compile_pool)
+                                            shares_weights_with=art.shares_weights_with)
         flush()
         with progress.stage("audit", seconds):
             audited = gpu_steps.audit_step(run_folder, recipe, report)
@@ -324,12 +323,6 @@ def summary_text(s: Dict[str, Any]) -> str:
         lines.append(f"lowering: {low['seconds']:.1f} s wall, methods {low['methods_wall_seconds']:.1f} s "
                      f"({low['workers'].get('count')} at once: {low['workers'].get('why')}); "
                      + ", ".join(f"{k} {v:.1f} s" for k, v in low["stage_seconds"].items()))
-    pools = {m: p.get("compile_pool") for m, p in s["per_method"].items() if p.get("compile_pool")}
-    if pools:
-        lines.append("compile pools: " + "; ".join(
-            f"{m} {pool.get('processes')} processes, "
-            + (f"ready in {pool.get('seconds', 0):.1f} s" if pool.get("ready") else f"not used: {pool.get('why')}")
-            for m, pool in pools.items()))
     rows = [["method", "lower s", "worst rel L2", "min cosine", "eager ms", "compile ms", "artifact ms",
              "art/eager", "art/compile", "peak MiB eager/compile/art", ".so MiB", "weights MiB"]]
     for m, p in s["per_method"].items():

@@ -32,7 +32,7 @@ LAYERS: Dict[str, int] = {
                      "zoo.numerics", "zoo.sampling_profiler"], 0),
     **dict.fromkeys(["zoo.run_folder", "zoo.artifact", "zoo.assemble", "zoo.runtimes", "zoo.tensor_file"], 1),
     **dict.fromkeys(["zoo.hub", "zoo.hub_cache", "zoo.tiny_hub", "zoo.exporting", "zoo.cpu_check", "zoo.preflight",
-                     "zoo.lowering", "zoo.lowering_workers", "zoo.compile_pool", "zoo.constant_plan", "zoo.audit", "zoo.verify",
+                     "zoo.lowering", "zoo.lowering_workers", "zoo.constant_plan", "zoo.audit", "zoo.verify",
                      "zoo.aoti_runner", "zoo.et_runtime", "zoo.verify_backends", "zoo.runtime_check", "zoo.manifest",
                      "zoo.model_card", "zoo.publishing", "zoo.gpu_steps",
                      "zoo.policy_check", "zoo.runner", "zoo.runner.base", "zoo.runner.backends", "zoo.runner.check",

@@ -55,6 +55,11 @@ def test_methods_lower_side_by_side_in_separate_processes(parallel):
     assert parts["a"].record["pid"] != parts["b"].record["pid"]
 
 
+@pytest.mark.parametrize("cores, workers_at_once, share", [(16, 2, 8), (16, 4, 4), (16, 1, 16), (2, 4, 1), (16, 0, 16)])
+def test_the_cores_are_shared_equally_between_workers(cores, workers_at_once, share):
+    assert workers.threads_per_worker(cores, workers_at_once) == share
+
+
 def test_each_worker_gets_its_share_of_the_cores_for_its_compile_pool(parallel):
     # Two workers at once: each Inductor compile pool gets half the cores (at least one), not all of them.
     share = str(max(1, (os.cpu_count() or 1) // 2))

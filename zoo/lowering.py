@@ -64,7 +64,6 @@ from .artifact import (
     weights_file_name,
 )
 from .assemble import assemble_program
-from .compile_pool import start_compile_pool
 from .constant_plan import ConstantPlan, inductor_follows_plan, plan_constants, plan_values
 from .environ import environ_restored
 from .errors import LoweringError, NoGpuError, ZooError, first_line
@@ -127,7 +126,6 @@ class MethodArtifact:
     stage_seconds: Dict[str, float] = field(default_factory=dict)  # edge, preflight, backend, to_executorch
     constants: Dict[str, Any] = field(default_factory=dict)  # its .so's constant table against the shared plan
     shares_weights_with: Optional[str] = None  # the method whose weights segment (and so/ file) this one names
-    compile_pool: Dict[str, Any] = field(default_factory=dict)  # Inductor's compile processes (zoo.compile_pool)
 
 
 @dataclass
@@ -296,10 +294,7 @@ def lower_one_method(method: str, program: ExportedProgram, options: Dict[str, A
     from executorch.backends.cuda.cuda_partitioner import CudaPartitioner
 
     partitioner = CudaPartitioner(compile_specs(method, options.get("triton_kernel_mode", "ON")))
-    pool = start_compile_pool()
-    lowered = lower_with_partitioner(method, program, options, partitioner)
-    lowered.record["compile_pool"] = pool
-    return lowered
+    return lower_with_partitioner(method, program, options, partitioner)
 
 
 def lower_with_partitioner(method: str, program: ExportedProgram, options: Dict[str, Any],
@@ -553,7 +548,6 @@ def _assemble(parts: Mapping[str, MethodPart], run: RunFolder, stage_seconds: Di
             output_order=order["output_order"], mutable_buffers=order.get("mutable_buffers", {}),
             seconds=round(part.seconds, 3), stage_seconds=dict(part.record.get("seconds", {})),
             constants=dict(part.record.get("constants", {})),
-            compile_pool=dict(part.record.get("compile_pool", {})),
             shares_weights_with=(entry["shares_weights_with"] or "").removesuffix(weights_file_name("")) or None)
     summary = assembled.data_files.get(PTD_NAME)
     return methods, summary.as_dict() if summary is not None else None

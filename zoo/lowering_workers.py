@@ -38,8 +38,6 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from . import atomic, errors
 from .artifact import PTE_NAME, ensure_flatc
 from .assemble import AssembledProgram, ProgramPart, assemble_program
-from .compile_pool import ENV_THREADS as ENV_COMPILE_THREADS
-from .compile_pool import threads_per_worker
 from .errors import LoweringError
 from .progress import Progress
 from .progress import say as default_say
@@ -49,6 +47,8 @@ from .sampling_profiler import SamplingProfiler
 ENV_MAX_WORKERS = "ZOO_LOWERING_WORKERS"
 # A folder: each worker writes a sampled profile of its lowering there, <method>.profile.txt (zoo.sampling_profiler).
 ENV_PROFILE_DIR = "ZOO_LOWERING_PROFILE_DIR"
+# The size of each worker's Inductor compile pool (Inductor reads it; its own default is one process per core).
+ENV_COMPILE_THREADS = "TORCHINDUCTOR_COMPILE_THREADS"
 # The worker's command line. Not ``python -m zoo.lowering_workers``: that would run a second copy of this module
 # named __main__, whose LoweredMethod is another class than the one the lowering function returns.
 _WORKER_ENTRY = "import sys; from zoo.lowering_workers import main; sys.exit(main())"
@@ -134,6 +134,12 @@ def choose_workers(jobs: int, *, requested: Optional[int] = None, configured: Op
         raise LoweringError(f"{why}: {value} workers; at least 1 is needed",
                             f"set {ENV_MAX_WORKERS} (or lowering.workers) to 1 or more, or leave it unset")
     return min(value, jobs), why
+
+
+def threads_per_worker(cores: int, workers: int) -> int:
+    """Each of ``workers`` lowering processes gets an equal share of ``cores`` for its compile pool (at least 1):
+    two workers with a 16-process pool each on 16 cores would only fight over them."""
+    return max(1, cores // max(1, workers))
 
 
 def default_max_workers(jobs: int) -> int:
