@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -244,6 +246,37 @@ def test_inductor_settings_apply_inside_and_restore_after(monkeypatch, tmp_path)
         assert options["inductor_cache_dir"] == str(tmp_path / "cache") and (tmp_path / "cache").is_dir()
     assert (cfg.test_configs.max_mm_configs, cfg.max_autotune_prune_choices_based_on_shared_mem) == before
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def _inductor_workers_ptxas() -> str:
+    """What Inductor's compile workers set TRITON_PTXAS_PATH to, asked of Inductor itself in a fresh process."""
+    code = ("import os\n"
+            "from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path\n"
+            "_set_triton_ptxas_path()\n"
+            "print(os.environ.get('TRITON_PTXAS_PATH') or '')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_PTXAS_PATH"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+
+
+def test_the_lowering_compiles_with_the_ptxas_of_inductors_compile_workers(monkeypatch):
+    # Triton's cache key holds the ptxas version: with another ptxas than the workers', every autotuning choice
+    # the pool compiled is compiled again in the lowering's own thread.
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    want = _inductor_workers_ptxas()
+    with lowering.inductor_settings(None) as options:
+        assert os.environ.get("TRITON_PTXAS_PATH", "") == want
+        assert (options["triton_ptxas"] or "") == want
+    assert "TRITON_PTXAS_PATH" not in os.environ
+
+
+def test_an_operators_ptxas_is_kept(monkeypatch, tmp_path):
+    chosen = tmp_path / "ptxas"
+    monkeypatch.setenv("TRITON_PTXAS_PATH", str(chosen))
+    with lowering.inductor_settings(None) as options:
+        assert os.environ["TRITON_PTXAS_PATH"] == str(chosen) == options["triton_ptxas"]
+    assert os.environ["TRITON_PTXAS_PATH"] == str(chosen)
 
 
 def test_flatc_is_found_and_runnable(monkeypatch):
