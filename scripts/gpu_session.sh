@@ -21,6 +21,9 @@
 #   tiny-bf16 after real (when real is a job): scripts/gpu_check.sh on the tiny LingBot-VA and Fast-WAM recipes
 #             exported in bf16 (unit.dtype=bfloat16): verified under zoo's bf16 rule and policy-checked on the
 #             GPU against LeRobot under the same rule (issue 13), alone on the machine
+#   ptxas     first, before real and chunk-lower: scripts/ptxas_cache_check.py (a two-GEMM graph compiled as
+#             Inductor is and as zoo's lowering is: does the lowering process find the autotuning choices the
+#             compile pool built in Triton's cache?), about 4 minutes; WORK/ptxas holds its JSON
 #   chunk     after real (when real is a job): scripts/bench_chunk.py on --chunk's policy (default fast_wam) in
 #             three jobs, one after the other, alone on the machine (issue 13): chunk-lower (build, export and lower
 #             every method under the sampling profiler), chunk-check (zoo's policy check at real size, the artifact
@@ -44,7 +47,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 for job in ${JOBS//,/ }; do
-  case "$job" in real|runtime|tiny|tiny-et|real-et|tiny-bf16|chunk) ;; *) echo "gpu_session: unknown job $job" >&2; exit 2 ;; esac
+  case "$job" in real|runtime|tiny|tiny-et|real-et|tiny-bf16|chunk|ptxas) ;; *) echo "gpu_session: unknown job $job" >&2; exit 2 ;; esac
 done
 want() { [[ "$JOBS" == *",$1,"* ]]; }
 if want runtime && [ "$ET_SRC" = - ]; then echo "gpu_session: the runtime job needs ET_SRC (the ExecuTorch source tarball)" >&2; exit 2; fi
@@ -72,8 +75,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   "$BUNDLE"/wheels/*.whl || { echo "gpu_session: offline install failed" >&2; exit 2; }
 chmod +x "$SITE/executorch/data/bin/flatc"
 mkdir -p "$WORK/real" "$WORK/runs" "$WORK/chunk"
+first=()
+if want ptxas; then
+  "$J" start "$WORK" ptxas --limit 900 -- bash -c "$(in_env python3 scripts/ptxas_cache_check.py --out "$WORK/ptxas")"
+  first=(--after ptxas)
+fi
 if want real; then
-  "$J" start "$WORK" real --limit 1500 -- bash -c "$(in_env python3 -m zoo.sampling_profiler \
+  "$J" start "$WORK" real "${first[@]}" --limit 1500 -- bash -c "$(in_env python3 -m zoo.sampling_profiler \
     --out "$WORK/real/profile.txt" scripts/real_size.py --out "$WORK/real" --recipe "$REAL_RECIPE" \
     --methods "$REAL_METHODS" --runs 10 --warmup 2)"
 fi
@@ -92,7 +100,7 @@ if want tiny-bf16; then
     ZOO_EXPORT_ARGS="unit.dtype=bfloat16" bash scripts/gpu_check.sh "$BUNDLE" lingbot-va-tiny fast-wam-tiny
 fi
 if want chunk; then
-  after=(); want real && after=(--after real)
+  after=("${first[@]}"); want real && after=(--after real)
   chunk() { in_env python3 scripts/bench_chunk.py --out "$WORK/chunk" --policies "$CHUNK_POLICY" "$@"; }
   "$J" start "$WORK" chunk-lower "${after[@]}" --limit 1500 -- bash -c "$(in_env python3 -m zoo.sampling_profiler \
     --out "$WORK/chunk/lower-profile.txt" scripts/bench_chunk.py --out "$WORK/chunk" --policies "$CHUNK_POLICY" --only lower)"
