@@ -46,6 +46,10 @@ runner's distance from LeRobot float32 <= bf16_factor x LeRobot bf16's own, cosi
 float32 unit the float32 tolerance. Recorded per policy under ``policy_check`` and in its own section of the
 markdown; a failed or broken check fails the policy (exit status 1) without hiding its timing.
 ``--tiny --backend eager --device cpu --no-compile`` checks this script on a CPU.
+
+``--record`` stores each timed policy's numbers under its recipe in ``zoo/data/chunk_latency.json``
+(``zoo.chunk_latency``), which the model card of every artifact of that recipe quotes; only the artifact runner on
+a GPU at real size may go there (``--record FILE`` writes any run elsewhere).
 """
 
 from __future__ import annotations
@@ -70,7 +74,7 @@ import torch  # noqa: E402
 
 from bench_real_size import (  # noqa: E402
     fast_wam_config, placeholder_checkpoint, write_seeded_processors)
-from zoo import bench, gpu_steps, pipeline, policies  # noqa: E402
+from zoo import bench, chunk_latency, gpu_steps, pipeline, policies  # noqa: E402
 from zoo.hub_cache import hub_environment, put_in_cache  # noqa: E402
 from zoo.policy_check import check_run, checkpoint_in_reach  # noqa: E402
 from zoo.policies import fast_init  # noqa: E402
@@ -492,13 +496,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-compile", action="store_true", help="skip the LeRobot torch.compile candidate")
     p.add_argument("--tiny", action="store_true", help="the tiny recipes instead (checks this script)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--record", nargs="?", type=Path, const=chunk_latency.MEASURED_JSON, default=None, metavar="JSON",
+                   help="after the timing, store each timed policy's numbers per recipe (default: zoo's own table, "
+                        "zoo/data/chunk_latency.json, which model cards quote: only the artifact runner on a GPU "
+                        "at real size goes there)")
     return p
+
+
+def record_timings(results: Dict[str, Any], args, command: str) -> Optional[Path]:
+    """The timed policies' entries into ``args.record`` (``zoo.chunk_latency``); None when nothing was timed."""
+    env = results["environment"]
+    entries = {r["recipe"]: chunk_latency.entry_from_bench(
+        r, gpu=str(env.get("gpu") or env.get("device")), command=command, measured=time.strftime("%Y-%m-%d"),
+        weights="zoo's fabricated tiny checkpoint" if args.tiny else
+        "seeded random weights (fast_init.seeded_weights), no checkpoint download")
+        for r in results["policies"] if r.get("status") == "done"}
+    if not entries:
+        return None
+    path = chunk_latency.record_measured(entries, args.record)
+    say(f"recorded the chunk latency of {', '.join(entries)} in {path}")
+    return path
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.chunks < 3:
         raise SystemExit("--chunks must be >= 3: chunks 2..N are timed and the first two set the chunk length")
+    if (args.record is not None and args.record.resolve() == chunk_latency.MEASURED_JSON
+            and (args.tiny or args.backend != "artifact" or torch.device(args.device).type != "cuda")):
+        raise SystemExit(f"--record into {chunk_latency.MEASURED_JSON} takes only the artifact runner on a GPU at "
+                         "real size (model cards quote it); give --record another file for this run")
     out = args.out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     command = "python scripts/bench_chunk.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
@@ -513,6 +540,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         write(results, out)
     if args.only != "check":
         print(format_table(table_rows(results)))
+        if args.record is not None:
+            record_timings(results, args, command)
     for line in policy_check_section(results):
         print(line)
     failed = [r["policy"] for r in results["policies"] if not check_passed(r)]

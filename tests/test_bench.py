@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -494,6 +495,20 @@ def test_real_size_units_parse_sizes_and_methods(real_size_script):
         parse("llama3")
     with pytest.raises(ZooError, match="takes sequence lengths"):
         parse("llama:long")
+
+
+def test_a_tiny_or_cpu_chunk_timing_is_refused_for_zoos_own_table(tmp_path):
+    # Model cards quote zoo/data/chunk_latency.json: a tiny recipe's timing must not land there.
+    from zoo.chunk_latency import MEASURED_JSON
+
+    before = MEASURED_JSON.read_bytes() if MEASURED_JSON.exists() else None
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_chunk.py"
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--device", "cpu", "--backend", "eager",
+                           "--out", str(tmp_path / "out"), "--record"], capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "takes only the artifact runner on a GPU at real size" in done.stderr
+    assert not (tmp_path / "out").exists()
+    assert (MEASURED_JSON.read_bytes() if MEASURED_JSON.exists() else None) == before
 
 
 # --------------------------------------------------------------------------------------------------------

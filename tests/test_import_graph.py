@@ -30,7 +30,8 @@ ALLOWED_IN_FUNCTIONS: Dict[Tuple[str, str], str] = {
 LAYERS: Dict[str, int] = {
     **dict.fromkeys(["zoo", "zoo.errors", "zoo.atomic", "zoo.report", "zoo.progress", "zoo.environ",
                      "zoo.numerics", "zoo.sampling_profiler"], 0),
-    **dict.fromkeys(["zoo.run_folder", "zoo.artifact", "zoo.assemble", "zoo.runtimes", "zoo.tensor_file"], 1),
+    **dict.fromkeys(["zoo.run_folder", "zoo.artifact", "zoo.assemble", "zoo.runtimes", "zoo.tensor_file",
+                     "zoo.chunk_latency"], 1),
     **dict.fromkeys(["zoo.hub", "zoo.hub_cache", "zoo.tiny_hub", "zoo.exporting", "zoo.cpu_check", "zoo.preflight",
                      "zoo.lowering", "zoo.lowering_workers", "zoo.constant_plan", "zoo.audit", "zoo.verify",
                      "zoo.aoti_runner", "zoo.et_runtime", "zoo.verify_backends", "zoo.runtime_check", "zoo.manifest",

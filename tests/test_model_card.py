@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from zoo import chunk_latency
 from zoo.model_card import audit_rows, card_metadata, render_card, resolve_license, runtime_ref
 
 
@@ -249,3 +250,65 @@ def test_a_llama_card_has_no_policy_to_check_and_no_runner():
     card = render_card(m, IO_SPEC, {}, "my-lab/smol")
     assert "Not applicable: a Llama-style transformer has no action loop" in card
     assert "zoo.runner.load" not in card
+
+
+# --- the chunk latency the card quotes (zoo.chunk_latency) ------------------------------------------------------
+
+
+BENCH_RECORD = {  # one policy of scripts/bench_chunk.py's results, as it writes them
+    "policy": "lingbot_va", "recipe": "lingbot-va", "dtype": "bfloat16", "actions_per_chunk": 16, "status": "done",
+    "candidates": {
+        "runner": {"chunk_ms": {"median": 412.34567, "p10": 401.0, "p90": 430.0}, "actions_per_second": 38.76543},
+        "eager": {"chunk_ms": {"median": 2061.7, "p10": 2000.0, "p90": 2100.0}, "actions_per_second": 7.76},
+        "compile": {"error": "RuntimeError: boom"}},
+    "ratios": {"runner/eager": 0.2000019, "runner/compile": None},
+}
+
+
+def _measured(tmp_path, monkeypatch, entries):
+    path = tmp_path / "chunk_latency.json"
+    monkeypatch.setattr(chunk_latency, "MEASURED_JSON", path)
+    chunk_latency.record_measured(entries)
+    return path
+
+
+def test_a_bench_record_becomes_an_entry_rounded_by_hand():
+    entry = chunk_latency.entry_from_bench(BENCH_RECORD, gpu="NVIDIA H200", command="python scripts/bench_chunk.py",
+                                           measured="2026-12-02", weights="seeded")
+    assert entry["candidates"] == {
+        "runner": {"median_ms": 412.346, "p10_ms": 401.0, "p90_ms": 430.0, "actions_per_second": 38.8},
+        "eager": {"median_ms": 2061.7, "p10_ms": 2000.0, "p90_ms": 2100.0, "actions_per_second": 7.8}}
+    assert entry["ratios"] == {"runner/eager": 0.2, "runner/compile": None}
+    assert (entry["actions_per_chunk"], entry["dtype"], entry["gpu"]) == (16, "bfloat16", "NVIDIA H200")
+
+
+def test_recording_a_recipe_keeps_the_others(tmp_path, monkeypatch):
+    path = _measured(tmp_path, monkeypatch, {"fast-wam": {"gpu": "A"}, "lingbot-va": {"gpu": "B"}})
+    chunk_latency.record_measured({"lingbot-va": {"gpu": "C"}})
+    assert chunk_latency.read_measured(path) == {"fast-wam": {"gpu": "A"}, "lingbot-va": {"gpu": "C"}}
+
+
+def test_card_quotes_the_recipes_measured_chunk_latency(tmp_path, monkeypatch):
+    entry = chunk_latency.entry_from_bench(BENCH_RECORD, gpu="NVIDIA H200", command="python scripts/bench_chunk.py "
+                                           "--policies lingbot_va", measured="2026-12-02", weights="seeded weights")
+    _measured(tmp_path, monkeypatch, {"lingbot-va": entry})
+    m = manifest()
+    m["recipe"]["name"] = "lingbot-va"
+    card = render_card(m, IO_SPEC, {}, "my-lab/lingbot-va-cuda")
+    assert "## Speed of a whole action chunk" in card
+    assert "Measured for the `lingbot-va` recipe on NVIDIA H200 (2026-12-02), bfloat16, seeded weights" in card
+    # 412.34567 -> 412.346 stored -> 412.3 shown; 38.76543 actions/s -> 38.8
+    assert "| `zoo.runner` on this artifact (torch's AOTI runner) | 412.3 (401.0-430.0) | 38.8 |" in card
+    assert "| LeRobot's `select_action`, eager PyTorch | 2061.7 (2000.0-2100.0) | 7.8 |" in card
+    assert "| LeRobot's `select_action`, DiT blocks `torch.compile`d | not measured | - |" in card
+    assert "Runner / eager: 0.20; runner / torch.compile: n/a." in card
+    assert "`python scripts/bench_chunk.py --policies lingbot_va`" in card
+
+
+def test_card_of_an_unmeasured_recipe_says_so_and_llama_has_no_chunk(tmp_path, monkeypatch):
+    _measured(tmp_path, monkeypatch, {"fast-wam": {"gpu": "A"}})
+    m = manifest()
+    m["recipe"]["name"] = "lingbot-va-tiny"
+    assert "Not measured for the `lingbot-va-tiny` recipe yet" in render_card(m, IO_SPEC, {}, "my-lab/x")
+    m["recipe"]["family"] = "llama"
+    assert "Speed of a whole action chunk" not in render_card(m, IO_SPEC, {}, "my-lab/x")

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
+from .chunk_latency import measured_for
 from .report import markdown_table
 from .run_folder import SOURCE_JSON
 from .runner import runner_families
@@ -310,6 +311,38 @@ def _policy_check_section(manifest: Mapping[str, Any]) -> List[str]:
     return out
 
 
+def _chunk_latency_section(manifest: Mapping[str, Any]) -> List[str]:
+    """How long a whole action chunk takes, observation to actions: the recipe's measured entry
+    (``zoo.chunk_latency``), or that none was measured."""
+    recipe = manifest.get("recipe") or {}
+    if recipe.get("family", "") not in runner_families():
+        return []
+    name = recipe.get("name", "")
+    out = ["## Speed of a whole action chunk", ""]
+    entry = measured_for(name)
+    if not entry:
+        return out + [f"Not measured for the `{name}` recipe yet (`scripts/bench_chunk.py --record` on a GPU).", ""]
+    ratios = entry.get("ratios") or {}
+    out += [f"Measured for the `{name}` recipe on {entry.get('gpu')} ({entry.get('measured')}), {entry.get('dtype')}, "
+            f"{entry.get('weights')}: the latency of a chunk depends on the architecture and sizes, not on the "
+            "weights' values. One `select_action` call that predicts a chunk of "
+            f"{entry.get('actions_per_chunk')} actions, everything from the observation to the actions (the VAE "
+            "encode, every DiT step, classifier-free guidance, the host loop; the prompt's text embedding is made "
+            f"once, outside). Command: `{entry.get('command')}`.", ""]
+    labels = {"runner": "`zoo.runner` on this artifact (torch's AOTI runner)",
+              "eager": "LeRobot's `select_action`, eager PyTorch",
+              "compile": "LeRobot's `select_action`, DiT blocks `torch.compile`d"}
+    table = [["", "ms per chunk: median (p10-p90)", "actions per second"]]
+    for key, label in labels.items():
+        c = (entry.get("candidates") or {}).get(key)
+        table.append([label, f"{c['median_ms']:.1f} ({c['p10_ms']:.1f}-{c['p90_ms']:.1f})" if c else "not measured",
+                      f"{c['actions_per_second']:.1f}" if c else "-"])
+    out += [markdown_table(table), ""]
+    out += [f"Runner / eager: {_num(ratios.get('runner/eager'), '.2f')}; runner / torch.compile: "
+            f"{_num(ratios.get('runner/compile'), '.2f')}.", ""]
+    return out
+
+
 def _runner_section(manifest: Mapping[str, Any], repo_id: str) -> List[str]:
     """The three lines of Python that replace a LeRobot policy in a control loop."""
     family = (manifest.get("recipe") or {}).get("family", "")
@@ -497,6 +530,7 @@ def render_card(manifest: Mapping[str, Any], io_spec: Mapping[str, Any], host_se
     out += _audit_section(manifest)
     out += _verification_section(manifest)
     out += _policy_check_section(manifest)
+    out += _chunk_latency_section(manifest)
     out += _runner_section(manifest, repo_id)
     out += _run_section(manifest, repo_id, io_spec)
     out += _provenance_section(manifest)
