@@ -28,7 +28,8 @@
 #             three jobs, one after the other, alone on the machine (issue 13): chunk-lower (build, export and lower
 #             every method under the sampling profiler), chunk-check (zoo's policy check at real size, the artifact
 #             runner against LeRobot under the bf16 rule), chunk-bench (whole-chunk latency: runner, LeRobot eager,
-#             LeRobot torch.compile, recorded for the model card in the repo copy's zoo/data/chunk_latency.json);
+#             LeRobot torch.compile, recorded for the model card in the repo copy's zoo/data/chunk_latency.json,
+#             a copy of which lands in WORK/chunk);
 #             WORK/chunk holds their tables and JSON
 # Every job writes its log under WORK/jobs/NAME and its tables and JSON under WORK; nothing here waits for them.
 set -uo pipefail
@@ -106,6 +107,6 @@ if want chunk; then
   "$J" start "$WORK" chunk-lower "${after[@]}" --limit 1500 -- bash -c "$(in_env python3 -m zoo.sampling_profiler \
     --out "$WORK/chunk/lower-profile.txt" scripts/bench_chunk.py --out "$WORK/chunk" --policies "$CHUNK_POLICY" --only lower)"
   "$J" start "$WORK" chunk-check --after chunk-lower --limit 900 -- bash -c "$(chunk --only check)"
-  "$J" start "$WORK" chunk-bench --after chunk-check --limit 1200 -- bash -c "$(chunk --only bench --record)"
+  "$J" start "$WORK" chunk-bench --after chunk-check --limit 1200 -- bash -c "$(chunk --only bench --record) && cp zoo/data/chunk_latency.json \"$WORK/chunk/\""
 fi
 "$J" table "$WORK"
