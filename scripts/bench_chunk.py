@@ -504,13 +504,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def record_timings(results: Dict[str, Any], args, command: str) -> Optional[Path]:
-    """The timed policies' entries into ``args.record`` (``zoo.chunk_latency``); None when nothing was timed."""
+    """The timed policies' entries into ``args.record`` (``zoo.chunk_latency``); None when nothing was timed. A
+    policy whose policy check failed in the same run is left out: the card quotes speed of an artifact that works."""
     env = results["environment"]
     entries = {r["recipe"]: chunk_latency.entry_from_bench(
         r, gpu=str(env.get("gpu") or env.get("device")), command=command, measured=time.strftime("%Y-%m-%d"),
         weights="zoo's fabricated tiny checkpoint" if args.tiny else
         "seeded random weights (fast_init.seeded_weights), no checkpoint download")
-        for r in results["policies"] if r.get("status") == "done"}
+        for r in results["policies"] if r.get("status") == "done" and check_passed(r)}  # a failed check: no numbers
     if not entries:
         return None
     path = chunk_latency.record_measured(entries, args.record)
