@@ -210,8 +210,11 @@ def inductor_cache_dir() -> Path:
     return Path(os.environ.get("ZOO_INDUCTOR_CACHE") or DEFAULT_INDUCTOR_CACHE)
 
 
-def torch_ptxas() -> Optional[str]:
-    """torch's own ``bin/ptxas``, the one Inductor's compile workers give Triton; None where torch ships none."""
+def lowering_ptxas() -> Optional[str]:
+    """The ptxas the lowering gives Triton: the operator's ``TRITON_PTXAS_PATH``, else torch's own ``bin/ptxas``,
+    the one Inductor's compile workers use (``inductor_settings`` says why); None where torch ships none."""
+    if os.environ.get("TRITON_PTXAS_PATH"):
+        return os.environ["TRITON_PTXAS_PATH"]
     path = Path(torch.__file__).resolve().parent / "bin" / "ptxas"
     return str(path) if path.is_file() and os.access(path, os.X_OK) else None
 
@@ -239,7 +242,7 @@ def inductor_settings(max_mm_configs: Optional[int]) -> Iterator[Dict[str, Any]]
         "TORCHINDUCTOR_MAX_AUTOTUNE_PRUNE_CHOICES_BASED_ON_SHARED_MEM": "1",
         "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(inductor_cache_dir()),
     }
-    ptxas = os.environ.get("TRITON_PTXAS_PATH") or torch_ptxas()
+    ptxas = lowering_ptxas()
     if ptxas:
         env["TRITON_PTXAS_PATH"] = ptxas
     Path(env["TORCHINDUCTOR_CACHE_DIR"]).mkdir(parents=True, exist_ok=True)
@@ -480,7 +483,7 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
     options = {k: v for k, v in options.items() if k != "constant_plan"}
     options.update(inductor_cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(inductor_cache_dir()),
                    prune_choices_based_on_shared_mem=True, executorch=_executorch_version(),
-                   triton_ptxas=os.environ.get("TRITON_PTXAS_PATH") or torch_ptxas(),
+                   triton_ptxas=lowering_ptxas(),
                    method_lowering=method_lowering.function)
     weights = {"plan": plan_record, "plan_bytes": plan.nbytes if plan_record["applied"] else None,
                **(ptd_summary or {"segments": None})}
