@@ -105,7 +105,8 @@ if want chunk; then
   after=("${first[@]}"); want real && after=(--after real)
   bench_chunk=(scripts/bench_chunk.py --out "$WORK/chunk" --policies "$CHUNK_POLICY")
   chunk() { in_env python3 "${bench_chunk[@]}" "$@"; }
-  "$J" start "$WORK" chunk-lower "${after[@]}" --limit 1500 -- bash -c "$(in_env python3 -m zoo.sampling_profiler \
+  # Each lowering worker writes its own sampled profile there (zoo.lowering_workers.ENV_PROFILE_DIR).
+  "$J" start "$WORK" chunk-lower "${after[@]}" --limit 1500 -- bash -c "$(in_env env ZOO_LOWERING_PROFILE_DIR="$WORK/chunk/profiles" python3 -m zoo.sampling_profiler \
     --out "$WORK/chunk/lower-profile.txt" "${bench_chunk[@]}" --only lower)"
   "$J" start "$WORK" chunk-check --after chunk-lower --limit 900 -- bash -c "$(chunk --only check)"
   "$J" start "$WORK" chunk-bench --after chunk-check --limit 1200 -- bash -c "$(chunk --only bench --record) && cp zoo/data/chunk_latency.json \"$WORK/chunk/\""

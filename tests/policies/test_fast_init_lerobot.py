@@ -142,3 +142,37 @@ def test_seeded_weights_drawn_in_bf16_make_the_float32_policy_the_bf16_policy_up
             assert torch.equal(b, a.to(f32)), key
     filled = [k for k, a in low.items() if k.startswith("0:sd:") and a.dtype == bf16]
     assert len(filled) > 20
+
+
+@pytest.mark.parametrize("name", ["fast_wam", "lingbot_va"])
+def test_the_policy_checks_reference_holds_the_units_seeded_weights_without_reading_the_file(tmp_path, name):
+    """At real size the policy check has no weights file (bench_chunk's placeholder checkpoint holds an empty
+    model.safetensors): the unit and LeRobot's policy (``lerobot_policy``, the check's reference) are both
+    filled under ``fast_init.seeded_weights`` and must hold the same values. A reference that reads the file
+    instead fails strict loading (Fast-WAM's did, on the H200's first real-size check)."""
+    from safetensors.torch import save_file
+
+    family = load_family(name)
+    recipe = load_recipe({"fast_wam": "fast-wam-tiny", "lingbot_va": "lingbot-va-tiny"}[name])
+    cache, fabricated_checkpoint = fabricated(family, recipe, tmp_path)
+    checkpoint = tmp_path / "placeholder"
+    checkpoint.mkdir()
+    for path in fabricated_checkpoint.iterdir():  # the snapshot's links, read through
+        (checkpoint / path.name).write_bytes(path.read_bytes())
+    save_file({}, str(checkpoint / "model.safetensors"))
+
+    def seeded(build):
+        with torch.random.fork_rng(devices=[]), fast_init.seeded_weights(7, draw_dtype=torch.float32):
+            torch.manual_seed(7)
+            return build()
+
+    # The policy build_unit cuts the unit's methods out of.
+    unit_build = {"fast_wam": lambda: family.load_policy(checkpoint, recipe.unit.dtype),
+                  "lingbot_va": lambda: family.load_policy(checkpoint, recipe)}[name]
+    with hub_environment(cache, offline=True):
+        unit_values = seeded(unit_build).state_dict()
+        reference_values = seeded(lambda: family.lerobot_policy(checkpoint, recipe)[0]).state_dict()
+    shared = sorted(set(unit_values) & set(reference_values))
+    assert len(shared) > 20
+    for key in shared:
+        assert torch.equal(unit_values[key], reference_values[key]), key

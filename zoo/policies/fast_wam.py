@@ -637,7 +637,11 @@ def lerobot_policy(checkpoint_dir: Path, recipe: Recipe, device: str = "cpu"):
     config = PreTrainedConfig.from_pretrained(checkpoint_dir)
     config.device = device
     config.torch_dtype = dtype
-    policy = FastWAMPolicy.from_pretrained(checkpoint_dir, config=config, strict=True).eval()
+    # As load_policy: the experts built on meta, then loaded from the file by fast_init.load_weights, or, inside
+    # fast_init.seeded_weights (bench_chunk's real-size policy check, whose checkpoint is a placeholder with an
+    # empty model.safetensors), filled with the seeded values the unit was built with.
+    with built_on_meta(FastWAMPolicy, [WanVideoDiT, ActionDiT]):
+        policy = FastWAMPolicy.from_pretrained(checkpoint_dir, config=config, strict=True).eval()
     pre, post = make_pre_post_processors(policy.config, pretrained_path=str(checkpoint_dir),
                                          preprocessor_overrides={"device_processor": {"device": device}})
     return policy, pre, post
