@@ -45,7 +45,8 @@ recipe's policy_check episode), inside the same seeded weights: for a bf16 unit 
 runner's distance from LeRobot float32 <= bf16_factor x LeRobot bf16's own, cosine >= bf16_min_cosine), for a
 float32 unit the float32 tolerance. Recorded per policy under ``policy_check`` and in its own section of the
 markdown; a failed or broken check fails the policy (exit status 1) without hiding its timing.
-``--tiny --backend eager --device cpu --no-compile`` checks this script on a CPU.
+``--tiny --backend eager --device cpu --no-compile`` checks this script on a CPU; with ``--seeded`` too it takes the
+real-size run's weights path (placeholder checkpoint, seeded weights, stand-ins), which a tiny checkpoint skips.
 
 ``--record`` stores each timed policy's numbers under its recipe in ``zoo/data/chunk_latency.json``
 (``zoo.chunk_latency``), which the model card of every artifact of that recipe quotes; only the artifact runner on
@@ -117,16 +118,19 @@ def seeded_policy_weights(seed: int, draw_dtype: torch.dtype) -> Iterator[None]:
         yield
 
 
-def standin_repos(family: str, config, cache: Path, seed: int) -> None:
+def standin_repos(family: str, config, cache: Path, seed: int, real_vae: bool = True) -> None:
     """The repos the policy loads by Hub id, put into ``cache``: the families' own fabrication of them at this
-    configuration's text width, with the real-size Wan2.2 VAE in place of the tiny one."""
+    configuration's text width, with the real-size Wan2.2 VAE in place of the tiny one (``real_vae``; a tiny
+    recipe's ``--seeded`` check keeps the tiny one)."""
     fam = policies.load_family(family)
     work = cache.parent / "standins"
-    vae = real_size_wan22_vae().to(torch.bfloat16)  # LeRobot casts it to the policy's dtype when loading
+    # LeRobot casts the VAE to the policy's dtype when loading.
+    vae = real_size_wan22_vae().to(torch.bfloat16) if real_vae else None
     if family == "lingbot_va":
         folder = work / "frozen"
         fam._save_frozen_repo(config, seed, folder)
-        vae.save_pretrained(folder / "vae")
+        if vae is not None:
+            vae.save_pretrained(folder / "vae")
         put_in_cache(config.wan_pretrained_path, folder, cache)
         return
     text_dim = int(config.video_dit_config["text_dim"])
@@ -134,7 +138,8 @@ def standin_repos(family: str, config, cache: Path, seed: int) -> None:
     tokenizer_dir, wan_dir = work / "tokenizer", work / "wan"
     vocab = fam._write_tokenizer(tokenizer_dir, text_dim)
     fam._write_wan_components(wan_dir, text_dim, vocab, generator)
-    vae.save_pretrained(wan_dir / "vae")
+    if vae is not None:
+        vae.save_pretrained(wan_dir / "vae")
     put_in_cache(fam.WAN22_DIFFUSERS_MODEL_ID, wan_dir, cache)
     put_in_cache(config.tokenizer_model_id, tokenizer_dir, cache)
 
@@ -153,10 +158,11 @@ def write_processors(family: str, config, folder: Path, seed: int) -> None:
 
 
 @contextlib.contextmanager
-def policy_source(family: str, recipe, work: Path, tiny: bool) -> Iterator[Tuple[Path, Callable]]:
+def policy_source(family: str, recipe, work: Path, tiny: bool, seeded: bool = False) -> Iterator[Tuple[Path, Callable]]:
     """(checkpoint folder, weights context) with the policy's Hub repos in reach for the block: tiny recipes
-    use zoo's fabricated checkpoint; real ones a placeholder checkpoint, seeded random weights and stand-ins."""
-    if tiny:
+    use zoo's fabricated checkpoint; real ones (and tiny ones with ``seeded``: the real-size path's check on a
+    CPU) a placeholder checkpoint, seeded random weights and stand-ins."""
+    if tiny and not seeded:
         with checkpoint_in_reach(recipe) as checkpoint:
             yield checkpoint, contextlib.nullcontext
         return
@@ -168,7 +174,7 @@ def policy_source(family: str, recipe, work: Path, tiny: bool) -> Iterator[Tuple
     cache = work / "hub"
     if not cache.is_dir():
         say(f"{family}: writing the Hub stand-ins (real-size Wan2.2 VAE) into {cache}")
-        standin_repos(family, config, cache, recipe.source.seed)
+        standin_repos(family, config, cache, recipe.source.seed, real_vae=not tiny)
     draw_dtype = getattr(torch, recipe.unit.dtype)
     with hub_environment(cache, offline=True):
         yield checkpoint, lambda: seeded_policy_weights(recipe.source.seed, draw_dtype)
@@ -293,7 +299,7 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
     results["policies"].append(record)
     have = run.pte.is_file() if args.backend == "artifact" else run.program("rewritten", recipe.unit.methods[0]).is_file()
     try:
-        with policy_source(family, recipe, work, args.tiny) as (checkpoint, weights):
+        with policy_source(family, recipe, work, args.tiny, args.seeded) as (checkpoint, weights):
             if not have and args.only not in ("bench", "check"):
                 say(f"{family}: build, export and lower ({', '.join(recipe.unit.methods)}) into {run.path}")
                 lower_policy(family, recipe, run, checkpoint, weights, args.device)
@@ -463,7 +469,7 @@ def policy_check_section(results: Dict[str, Any]) -> List[str]:
     if not checked:
         return []
     md = ["## Policy check: the runner against LeRobot's select_action (zoo.policy_check.check_run)", "",
-          ("zoo's fabricated tiny checkpoints." if results["settings"]["tiny"] else
+          ("zoo's fabricated tiny checkpoints." if results["settings"]["tiny"] and not results["settings"]["seeded"] else
            "Seeded weights drawn in the unit's dtype, so LeRobot's bf16 and float32 policies and the lowered unit "
            "hold the same values.")
           + " A bf16 unit is judged by zoo's bf16 rule, a float32 one by its float32 tolerance.", ""]
@@ -495,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the runner's backend (eager: the rewritten programs, for a CPU check of this script)")
     p.add_argument("--no-compile", action="store_true", help="skip the LeRobot torch.compile candidate")
     p.add_argument("--tiny", action="store_true", help="the tiny recipes instead (checks this script)")
+    p.add_argument("--seeded", action="store_true",
+                   help="with --tiny: the weights the real-size run uses (a placeholder checkpoint with no weights, "
+                        "seeded random weights, Hub stand-ins), so a CPU run checks that path")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--record", nargs="?", type=Path, const=chunk_latency.MEASURED_JSON, default=None, metavar="JSON",
                    help="after the timing, store each timed policy's numbers per recipe (default: zoo's own table, "
@@ -509,7 +518,7 @@ def record_timings(results: Dict[str, Any], args, command: str) -> Optional[Path
     env = results["environment"]
     entries = {r["recipe"]: chunk_latency.entry_from_bench(
         r, gpu=str(env.get("gpu") or env.get("device")), command=command, measured=time.strftime("%Y-%m-%d"),
-        weights="zoo's fabricated tiny checkpoint" if args.tiny else
+        weights="zoo's fabricated tiny checkpoint" if args.tiny and not args.seeded else
         "seeded random weights (fast_init.seeded_weights), no checkpoint download")
         for r in results["policies"] if r.get("status") == "done" and check_passed(r)}  # a failed check: no numbers
     if not entries:
@@ -532,7 +541,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     command = "python scripts/bench_chunk.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     results: Dict[str, Any] = {"command": command, "environment": bench.environment(args.device),
                                "settings": {"chunks": args.chunks, "episodes": args.episodes, "seed": args.seed,
-                                            "backend": args.backend, "tiny": args.tiny,
+                                            "backend": args.backend, "tiny": args.tiny, "seeded": args.seeded,
                                             "only": args.only,
                                             "policy_check": args.policy_check or args.only == "check"},
                                "targets": TARGETS, "policies": []}

@@ -1,0 +1,48 @@
+"""scripts/bench_chunk.py's real-size weights path, run on a CPU at tiny size (``--tiny --seeded``).
+
+At real size the chunk bench has no checkpoint to read: a placeholder checkpoint (config, processors, an
+empty model.safetensors), seeded random weights for the unit and for LeRobot's policies, Hub stand-ins for
+the VAE and text encoder. A tiny checkpoint skips all of that, so only a GPU run used to reach it, and the
+H200's first real-size policy check failed there (LeRobot's Fast-WAM read the empty file). Here the same path
+lowers to the eager backend's programs and runs zoo's policy check against LeRobot's own ``select_action``:
+the reference is LeRobot's policy, so the check fails if the two sides hold different weights.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lerobot")
+pytestmark = pytest.mark.policies
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_chunk.py"
+
+
+def bench_chunk(out: Path, policy: str, only: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--seeded", "--backend", "eager", "--device", "cpu",
+                           "--policies", policy, "--only", only, "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("policy", ["fast_wam", "lingbot_va"])
+def test_the_real_size_weights_path_passes_the_policy_check_on_a_cpu(tmp_path, policy):
+    lowered = bench_chunk(tmp_path, policy, "lower")
+    assert lowered.returncode == 0, lowered.stderr[-3000:]
+    checked = bench_chunk(tmp_path, policy, "check")
+    assert checked.returncode == 0, checked.stderr[-3000:] + checked.stdout[-3000:]
+    results = json.loads((tmp_path / "policy_check.json").read_text())
+    assert results["settings"]["seeded"] is True
+    (record,) = results["policies"]
+    check = record["policy_check"]
+    assert check["status"] == "passed", check
+    # The float32 rule over the recipe's episode: at least 3 chunks, each within 1e-5 of LeRobot's actions.
+    rows = check["result"]["rows"]
+    assert check["result"]["rule"] == "float32" and len(rows) >= 3
+    assert all(row["ok"] and row["rel_l2"] <= 1e-5 for row in rows), rows
+    # The placeholder's weights file is empty: the weights came from the seeded fill, not from a file.
+    assert (tmp_path / policy / "checkpoint" / "model.safetensors").stat().st_size < 1024
