@@ -466,6 +466,7 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
         else:
             del in_memory  # the parent's copies go before the workers load theirs
             files, saved = _program_files(programs, work / "programs", stage_seconds)
+            mark = time.perf_counter()  # "methods" is the workers' time alone: the save has its own stage
             jobs = [MethodJob(m, files[m], options) for m in methods]
             env = {"PYTHONPATH": os.pathsep.join(method_lowering.pythonpath)} if method_lowering.pythonpath else None
             with Progress("lower", len(methods), unit="method") as bar:
