@@ -34,7 +34,8 @@ Hub id are stand-ins in a private cache: the real-size Wan2.2 VAE
 (0.7 B parameters, random) and a one-layer UMT5 and tokenizer at the policy's text width.
 
 Stages, each resumable (a 10-minute command limit cuts a real-size run into calls): ``--only lower`` builds,
-exports and lowers into OUT/<policy>/run (skipped when model.pte is already there); ``--only bench`` times an
+exports and lowers into OUT/<policy>/run, and on a GPU verifies the artifact as every zoo artifact is (the bf16
+rule against the unit's float32 copy; skipped when model.pte is already there); ``--only bench`` times an
 already-lowered run; ``--only check`` runs the policy check alone over an already-lowered run.
 OUT/chunk_latency.json and OUT/chunk_latency.md are rewritten after every policy (by ``--only check``:
 OUT/policy_check.json and OUT/policy_check.md, so an earlier timing stays).
@@ -185,7 +186,12 @@ def policy_source(family: str, recipe, work: Path, tiny: bool, seeded: bool = Fa
 
 
 def lower_policy(family: str, recipe, run: RunFolder, checkpoint: Path, weights: Callable, device: str) -> None:
-    """Build, export, rewrite, preflight and lower through the pipeline's own steps into ``run``."""
+    """Build, export, rewrite, preflight, lower and verify through the pipeline's own steps into ``run``.
+
+    On a GPU the lowered artifact is verified as every zoo artifact is (``gpu_steps.verify_unit_step``: the
+    bf16 rule against the unit's float32 copy, made on the GPU) before anything is timed on it; a failed
+    verification fails the policy here. The eager backend (a CPU check of this script) saves the rewritten
+    programs instead, and there is nothing to verify."""
     run.path.mkdir(parents=True, exist_ok=True)
     report = RunReport(run.path, recipe.to_dict())
     run.write_recipe(recipe)
@@ -194,17 +200,20 @@ def lower_policy(family: str, recipe, run: RunFolder, checkpoint: Path, weights:
         with weights():
             unit = pipeline.build_step(None, recipe, run, report, build=lambda: fam.build_unit(checkpoint, recipe))
         programs, _ = pipeline.export_step(unit, recipe, run, report, save=False, reference=False)
-        del unit
-        gc.collect()
         rewritten = pipeline.rewrite_step(programs, recipe, report)
         del programs
         gc.collect()
         if torch.device(device).type == "cuda":
             # lower_step runs the kernel preflight on each method's own edge program: no second to_edge here.
-            gpu_steps.lower_step(rewritten, run, recipe, report)
-        else:  # the eager backend (a CPU check of this script) runs the rewritten programs
+            gpu_steps.lower_step(rewritten, run, recipe, report, consume=True)
+            del rewritten
+            gc.collect()
+            say(f"{family}: verify the artifact (bf16 rule against the float32 unit, on {device})")
+            gpu_steps.verify_unit_step(run, recipe, report, unit, device=device)
+            report.record("status", "verified")
+        else:
             pipeline.save_step(rewritten, recipe, run, report)
-        report.record("status", "lowered")
+            report.record("status", "lowered")
     finally:
         run.write_report(report)
 

@@ -25,8 +25,8 @@
 #             Inductor is and as zoo's lowering is: does the lowering process find the autotuning choices the
 #             compile pool built in Triton's cache?), about 4 minutes; WORK/ptxas holds its JSON
 #   chunk     after real (when real is a job): scripts/bench_chunk.py on --chunk's policy (default fast_wam) in
-#             three jobs, one after the other, alone on the machine (issue 13): chunk-lower (build, export and lower
-#             every method under the sampling profiler), chunk-check (zoo's policy check at real size, the artifact
+#             three jobs, one after the other, alone on the machine (issue 13): chunk-lower (build, export, lower and
+#             verify every method under the sampling profiler), chunk-check (zoo's policy check at real size, the artifact
 #             runner against LeRobot under the bf16 rule), chunk-bench (whole-chunk latency: runner, LeRobot eager,
 #             LeRobot torch.compile, recorded for the model card in the repo copy's zoo/data/chunk_latency.json,
 #             a copy of which lands in WORK/chunk);

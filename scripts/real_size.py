@@ -59,7 +59,7 @@ for path in (ROOT, ROOT / "scripts"):
 import torch  # noqa: E402
 
 import bench_real_size  # noqa: E402  (the seeded builders and the bench candidates)
-from zoo import atomic, bench, exporting, gpu_steps, pipeline  # noqa: E402
+from zoo import atomic, bench, gpu_steps, pipeline  # noqa: E402
 from zoo.lowering import CUDA_LOWERING, MethodLowering  # noqa: E402
 from zoo.lowering_workers import ENV_PROFILE_DIR, resolve_function  # noqa: E402
 from zoo.recipes import load_recipe  # noqa: E402
@@ -128,11 +128,6 @@ def cpu_runner_factory(spec: Optional[str], path: Sequence[str]):
         return None
     sys.path[:0] = [p for p in path if p not in sys.path]
     return resolve_function(spec)
-
-
-def unit_on(unit, device: str) -> None:
-    holder = torch.nn.ModuleList([m.module for m in unit.methods.values()])
-    holder.to(device)
 
 
 def run(args) -> int:
@@ -228,21 +223,17 @@ def run(args) -> int:
 
 def verify_stage(args, unit, recipe, run_folder: RunFolder, report: RunReport, device: str, progress: Progress,
                  seconds: Dict[str, float], summary: Dict[str, Any]) -> None:
-    """zoo's verification with the references built where they run: the unit's modules moved to ``device``
-    and a float32 copy made there (~20 GB at real size, on the GPU: no host copy of it)."""
+    """zoo's verification with the references built where they run (``gpu_steps.verify_unit_step``): the
+    unit's modules moved to ``device`` and a float32 copy made there (~20 GB at real size, on the GPU)."""
     if args.no_verify:
         report.stage("verify", "skipped", None, "--no-verify")
         return
     with progress.stage("verify", seconds):
-        unit_on(unit, device)
-        reference = exporting.float32_copy(unit) if recipe.unit.dtype == "bfloat16" else None
-        references = {"exported": {m: unit.methods[m].module for m in unit.methods}}
-        if reference is not None:
-            references["reference_fp32"] = {m: reference.methods[m].module for m in reference.methods}
         try:
-            verified = gpu_steps.verify_step(run_folder, recipe, report, device=device, references=references,
-                                             runtimes=["aoti"] if args.dry_run else None, runner_factory=cpu_runner_factory(
-                                                 args.runner_factory, args.lowering_path))
+            verified = gpu_steps.verify_unit_step(run_folder, recipe, report, unit, device=device,
+                                                  runtimes=["aoti"] if args.dry_run else None,
+                                                  runner_factory=cpu_runner_factory(args.runner_factory,
+                                                                                    args.lowering_path))
             summary["verified"] = True
         except Exception as exc:
             verified = getattr(exc, "result", None)
@@ -250,12 +241,6 @@ def verify_stage(args, unit, recipe, run_folder: RunFolder, report: RunReport, d
             summary["verify_error"] = bench.error_line(exc)
             if verified is None:
                 raise
-        finally:
-            del references, reference
-            unit_on(unit, "cpu")
-            gc.collect()
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
         summary["verification"] = {"seconds": round(verified.seconds, 3), "rows": len(verified.rows),
                                    "ok": verified.ok,
                                    "runtimes": {name: outcome.get("status") for name, outcome in verified.runtimes.items()}}

@@ -49,6 +49,8 @@ LAYER_NAMES = ("errors/atomic/report", "run_folder/artifact/runtimes", "steps", 
 TESTS_LOADING_SCRIPTS = {
     "tests/test_bench.py": "pending: i16-bench (parse_unit of bench_real_size)",
     "tests/test_gpu_jobs.py": "runs scripts/gpu_jobs.sh as a program (bash); no Python is loaded from scripts/",
+    "tests/policies/test_bench_chunk_seeded.py": "runs scripts/bench_chunk.py as a program (the real-size weights "
+                                                 "path at tiny size); no Python is loaded from scripts/",
 }
 
 

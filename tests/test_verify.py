@@ -433,6 +433,42 @@ def test_references_given_in_memory_stand_in_for_the_saved_programs(run_folder, 
     assert {r.method for r in result.failures()} == {"rope"}
 
 
+class Scaled(nn.Module):
+    def __init__(self, inner: nn.Module, scale: float):
+        super().__init__()
+        self.inner, self.scale = inner, scale
+
+    def forward(self, *args):
+        return self.inner(*args) * self.scale
+
+
+def test_verify_unit_step_judges_the_artifact_against_the_units_own_modules(run_folder, tmp_path):
+    # The real-size scripts never save their ~10 GB programs: the unit still in memory is the reference.
+    from zoo.gpu_steps import verify_unit_step
+    from zoo.policies.base import ExportUnit, MethodSpec
+    from zoo.report import RunReport
+
+    run = _copy(run_folder, tmp_path)
+    for path in run.glob("exported.*.pt2"):  # nothing on disk to fall back on
+        path.unlink()
+
+    def unit(scale_rope: float = 1.0) -> ExportUnit:
+        modules = {m: torch.export.load(str(run_folder["run"] / f"exported.{m}.pt2")).module()
+                   for m in ("permuted", "rope", "pool")}
+        modules["rope"] = Scaled(modules["rope"], scale_rope)
+        return ExportUnit(family="toy", methods={m: MethodSpec(m, mod, [], []) for m, mod in modules.items()})
+
+    report = RunReport(run, run_folder["recipe"].to_dict())
+    result = verify_unit_step(RunFolder(run), run_folder["recipe"], report, unit(), device="cpu",
+                              runner_factory=run_folder["fake"].runner_factory)
+    assert result.ok and {r.method for r in result.rows} == {"permuted", "rope", "pool"}
+    assert [(s["stage"], s["status"]) for s in report.stages] == [("verify", "done")]
+    with pytest.raises(VerificationFailed) as failed:
+        verify_unit_step(RunFolder(run), run_folder["recipe"], report, unit(scale_rope=1.01), device="cpu",
+                         runner_factory=run_folder["fake"].runner_factory)
+    assert {r.method for r in failed.value.result.failures()} == {"rope"}
+
+
 def test_no_gpu_no_device_is_a_clear_error(run_folder):
     if torch.cuda.is_available():
         pytest.skip("has a GPU")

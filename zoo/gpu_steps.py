@@ -23,15 +23,18 @@ after it.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Union
 
+import torch
 from torch.export import ExportedProgram
 
-from . import audit, lowering, preflight
+from . import audit, exporting, lowering, preflight
 from .artifact import PTD_NAME, PTE_NAME
 from .errors import KernelPreflightRefused, LoweringError, NoGpuError, VerificationFailed, ZooError, first_line
 from .manifest import write_manifest
+from .policies.base import ExportUnit
 from .policy_check import policy_check_step
 from .preflight import PreflightResult
 from .report import RunReport, timed_stage
@@ -181,6 +184,30 @@ def verify_step(run: RunFolder, recipe, report: RunReport, *,
         facts["detail"] = f"{len(verified.rows)} outputs within tolerance; {verified.worst_text()}"
     print(verified.table())
     return verified
+
+
+def verify_unit_step(run: RunFolder, recipe, report: RunReport, unit: ExportUnit, *, device: str,
+                     runner_factory: Optional[RunnerFactory] = None, **options: Any) -> VerificationResult:
+    """``verify_step`` with the references taken from the unit still in memory and built where they run: its
+    modules moved to ``device`` and, for a bf16 unit, the bf16 rule's float32 copy made there
+    (``exporting.float32_copy``; ~20 GB at real size, so no host copy of it and no program read from disk).
+    For the real-size runs, whose ~10 GB programs are never saved. The modules go back to the CPU afterwards,
+    and the float32 copy is dropped, whatever the outcome."""
+    holder = torch.nn.ModuleList([m.module for m in unit.methods.values()])
+    holder.to(device)
+    reference = exporting.float32_copy(unit) if recipe.unit.dtype == "bfloat16" else None
+    references = {"exported": {name: m.module for name, m in unit.methods.items()}}
+    if reference is not None:
+        references["reference_fp32"] = {name: m.module for name, m in reference.methods.items()}
+    try:
+        return verify_step(run, recipe, report, runner_factory=runner_factory, device=device,
+                           references=references, **options)
+    finally:
+        del references, reference
+        holder.to("cpu")
+        gc.collect()
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def _failure_detail(result: VerificationResult) -> str:
