@@ -346,3 +346,53 @@ def test_the_shared_plan_is_used_only_where_it_costs_little_gpu_memory():
     decision = lowering.plan_decision(apart, 2)
     assert decision["applied"] is False and "mostly different weights" in decision["why"]
     assert lowering.plan_decision(shared, 1)["applied"] is False
+
+
+def test_methods_that_read_the_same_weights_share_a_table_and_the_others_keep_theirs():
+    # LingBot-VA's chunk layout: two transformer steps read the same trunk; two encodes read an encoder of their
+    # own, exported from another module. One table for all four would not pay (each .so would carry both), so
+    # before grouping no weight was shared at all, the trunk included.
+    from zoo.constant_plan import plan_constants, read_constants, sharing_groups
+
+    trunk, encoder = nn.Linear(64, 64), nn.Linear(16, 16)
+    heads = nn.ModuleDict({"video": nn.Linear(64, 2), "action": nn.Linear(64, 2)})
+    steps = nn.ModuleDict({"trunk": trunk, "heads": heads})
+
+    class Step(nn.Module):
+        def __init__(self, head):
+            super().__init__()
+            self.unit, self.head = steps, head
+
+        def forward(self, x):
+            return self.unit["heads"][self.head](self.unit["trunk"](x))
+
+    class Encode(nn.Module):
+        def __init__(self, twice):
+            super().__init__()
+            self.encoder, self.twice = encoder, twice
+
+        def forward(self, x):
+            y = self.encoder(x)
+            return self.encoder(y) if self.twice else y
+
+    with torch.no_grad():
+        programs = {"encode_first": torch.export.export(Encode(False), (torch.randn(2, 16),)),
+                    "encode": torch.export.export(Encode(True), (torch.randn(2, 16),)),
+                    "video_step": torch.export.export(Step("video"), (torch.randn(2, 64),)),
+                    "action_step": torch.export.export(Step("action"), (torch.randn(2, 64),))}
+    reads = {m: read_constants(p) for m, p in programs.items()}
+    # By hand: a step reads the trunk (64*64+64 floats) and its head (64*2+2); an encode the encoder (16*16+16).
+    assert sum(reads["video_step"].values()) == ((64 * 64 + 64) + (64 * 2 + 2)) * 4
+    assert sum(reads["encode"].values()) == (16 * 16 + 16) * 4
+    groups = sharing_groups(reads)
+    assert groups == [["encode_first", "encode"], ["video_step", "action_step"]]
+    plans = [(g, plan_constants({m: programs[m] for m in g})) for g in groups]
+    decision = lowering.plans_decision(plans)
+    assert [g["applied"] for g in decision["groups"]] == [True, True] and decision["applied"] is True
+    assert decision["bytes"] == ((16 * 16 + 16) + (64 * 64 + 64) + 2 * (64 * 2 + 2)) * 4  # each weight once
+    assert "video_step + action_step: " in decision["why"]
+    # One table for all four, as before grouping: not applied, so nothing was shared.
+    assert lowering.plan_decision(plan_constants(programs), 4)["applied"] is False
+    # Below the share, methods stay apart: the trunk is not most of what a method reads that barely uses it.
+    assert sharing_groups({"a": {"t": 10, "x": 90}, "b": {"t": 10, "y": 90}}) == [["a"], ["b"]]
+    assert sharing_groups({"a": {"t": 60, "x": 40}, "b": {"t": 60, "y": 40}}) == [["a", "b"]]

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from aoti_cpu_probe import PROBE_LOWERING, CpuRunner  # noqa: E402
 
 DIM = 64
-METHODS = ("observe", "act")
+METHODS = ("observe", "act", "encode")
 
 
 class Trunk(nn.Module):
@@ -66,11 +66,26 @@ class Act(nn.Module):
         return self.unit.act_head(self.unit.blocks(x) * self.unit.table) + noise
 
 
+class Encoder(nn.Module):
+    """A method with weights of its own, from another module (LingBot-VA's VAE encode beside its transformer
+    steps): it gets its own table, and the trunk's two methods still share theirs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.conv = nn.Linear(DIM, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.conv(x))
+
+
 IO = {"observe": {"inputs": [{"name": "x", "dtype": "float32", "shape": [3, DIM], "sampler": "normal"}],
                   "outputs": ["obs"]},
       "act": {"inputs": [{"name": "noise", "dtype": "float32", "shape": [3, 2], "sampler": "normal"},
                          {"name": "x", "dtype": "float32", "shape": [3, DIM], "sampler": "normal"}],
-              "outputs": ["action"]}}
+              "outputs": ["action"]},
+      "encode": {"inputs": [{"name": "x", "dtype": "float32", "shape": [3, DIM], "sampler": "normal"}],
+                 "outputs": ["latent"]}}
 
 
 def programs():
@@ -78,7 +93,8 @@ def programs():
     modules = {"observe": Observe(unit), "act": Act(unit)}
     with torch.no_grad():
         return {"observe": torch.export.export(modules["observe"], (torch.randn(3, DIM),)),
-                "act": torch.export.export(modules["act"], (torch.randn(3, 2), torch.randn(3, DIM)))}
+                "act": torch.export.export(modules["act"], (torch.randn(3, 2), torch.randn(3, DIM))),
+                "encode": torch.export.export(Encoder(), (torch.randn(3, DIM),))}
 
 
 def run_folder(path: Path):
@@ -141,12 +157,16 @@ def test_the_ptd_holds_the_shared_weights_once(lowered):
     result = lowered["parallel"]["result"]
     weights = result.weights
     assert weights["plan"]["applied"] is True and weights["stored_once"] is True
-    assert weights["segments"] == [["observe_weights_blob", "act_weights_blob"]]
-    # Independently of the plan's own count: the parameter bytes the two methods use, from the eager unit.
-    unit = Trunk()
-    used = sum(p.numel() * p.element_size() for p in unit.parameters()) + unit.table.numel() * 4
+    # Two groups: the trunk's methods share one table, the encoder keeps its own.
+    assert [g["methods"] for g in weights["plan"]["groups"]] == [["observe", "act"], ["encode"]]
+    assert [g["applied"] for g in weights["plan"]["groups"]] == [True, False]
+    assert weights["segments"] == [["observe_weights_blob", "act_weights_blob"], ["encode_weights_blob"]]
+    # Independently of the plan's own count: the parameter bytes the methods use, from the eager modules.
+    unit, encoder = Trunk(), Encoder()
+    trunk_bytes = sum(p.numel() * p.element_size() for p in unit.parameters()) + unit.table.numel() * 4
+    used = trunk_bytes + sum(p.numel() * p.element_size() for p in encoder.parameters())
     assert result.ptd_bytes <= 1.05 * used
-    assert weights["shared_bytes"] == weights["entries"]["act_weights_blob"] > 0.9 * used
+    assert weights["shared_bytes"] == weights["entries"]["act_weights_blob"] > 0.9 * trunk_bytes
     seq = lowered["sequential"]
     assert seq["run"].ptd.read_bytes() == lowered["parallel"]["run"].ptd.read_bytes()
     assert "observe = act (one segment)" in result.table()
@@ -178,7 +198,8 @@ def test_the_lowering_record_has_per_method_times_the_plan_and_the_preflight(low
     for method in METHODS:
         record = summary["methods"][method]
         assert record["seconds"] > 0 and {"edge", "preflight", "backend", "to_executorch"} <= set(record["stage_seconds"])
-        assert record["constants"]["plan_order"] is True
+        # The trunk's methods follow their group's table; the encoder, alone in its group, has none.
+        assert record["constants"].get("plan_order") is (None if method == "encode" else True)
     assert summary["methods"]["act"]["constants"]["added"] >= 2  # observe's head, which act's graph never reads
     assert summary["preflight"]["ok"] is True and summary["preflight"]["nodes"] > 0
     stages = summary["stage_seconds"]
@@ -194,7 +215,8 @@ def test_the_lowering_record_has_per_method_times_the_plan_and_the_preflight(low
 def test_the_audit_states_what_each_runtime_does_with_the_weights(lowered):
     run = lowered["parallel"]["run"]
     facts = audit.weights_facts(run.path)
-    blob = facts["blobs"]["act"]
-    assert facts["shared"] is True and facts["blobs"] == {"observe": blob, "act": blob}
-    assert facts["gpu_bytes_each_method_own_copy"] == 2 * blob and facts["gpu_bytes_one_copy"] == blob
+    blob, own = facts["blobs"]["act"], facts["blobs"]["encode"]
+    assert facts["shared"] is True and facts["blobs"] == {"observe": blob, "act": blob, "encode": own}
+    assert facts["segments"] == [["observe", "act"], ["encode"]]
+    assert facts["gpu_bytes_each_method_own_copy"] == 2 * blob + own and facts["gpu_bytes_one_copy"] == blob + own
     assert facts["ptd_bytes"] == run.ptd.stat().st_size

@@ -198,6 +198,13 @@ def test_workers_come_from_the_caller_then_the_environment_then_the_recipe_then_
     assert workers.choose_workers(8)[0] == 4
     count, why = workers.choose_workers(2, per_worker_bytes=60 << 30)  # 100 GiB hold one 60 GiB worker
     assert count == 1 and "available memory" in why
+    # One estimate per job, the largest first (LingBot-VA: two 31 GiB transformer steps, two 3 GiB encodes):
+    # as many of the first as fit together.
+    gib = 1 << 30
+    assert workers.choose_workers(4, per_worker_bytes=[31 * gib, 31 * gib, 3 * gib, 3 * gib])[0] == 4
+    count, why = workers.choose_workers(4, per_worker_bytes=[45 * gib, 45 * gib, 20 * gib, 3 * gib])
+    assert count == 2 and "45.0, 45.0, 20.0 GiB, the largest first" in why
+    assert workers.choose_workers(4, per_worker_bytes=[200 * gib] * 4)[0] == 1  # at least one, always
     monkeypatch.setenv(workers.ENV_MAX_WORKERS, "2")
     assert workers.choose_workers(3, configured=1) == (2, f"{workers.ENV_MAX_WORKERS}=2")
     with pytest.raises(LoweringError, match="at least 1"):

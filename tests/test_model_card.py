@@ -132,6 +132,20 @@ def test_runner_is_built_from_a_release_the_audit_says_loads_it(audit, expected)
     assert runtime_ref(manifest(audit=audit)) == expected
 
 
+def test_card_names_the_groups_of_methods_that_share_a_blob():
+    # LingBot-VA's chunk layout: the two transformer steps share one blob, the two VAE encodes another.
+    gib = 2**30
+    audit = {"releases": {"1.2": {"version": "1.2.0", "loadable": True, "missing": {}, "caveats": []}}, "weights": {
+        "ptd_bytes": 10 * gib, "blobs": {"vae_encode_first": 1 * gib, "vae_encode": 1 * gib, "video_step": 9 * gib,
+                                         "action_step": 9 * gib},
+        "segments": [["vae_encode_first", "vae_encode"], ["video_step", "action_step"]], "shared": True,
+        "gpu_bytes_each_method_own_copy": 20 * gib, "gpu_bytes_one_copy": 10 * gib}}
+    card = render_card(manifest(audit=audit), {}, {}, "org/x")
+    assert ("- The methods that read the same weights have one blob, stored once: `vae_encode_first` = "
+            "`vae_encode`; `video_step` = `action_step`. With every method loaded, a runtime that gives each method "
+            "its own copy holds 20.00 GiB of weights on the GPU; one copy is 10.00 GiB.") in card
+
+
 def test_card_states_the_weights_on_each_runtime_from_the_audit():
     gib = 2**30
     audit = {"releases": {"1.2": {"version": "1.2.0", "loadable": True, "missing": {},
@@ -143,7 +157,7 @@ def test_card_states_the_weights_on_each_runtime_from_the_audit():
     card = render_card(manifest(audit=audit), {}, {}, "org/x")
     assert "- `aoti_cuda_blob.ptd` is 10.00 GiB; the methods' weights blobs: `video_step` 9.00 GiB, " \
            "`action_step` 9.00 GiB." in card
-    assert "- Every method's weights blob is the same bytes, stored once in the file. With every method loaded, " \
+    assert "- Every method's weights blob is the same bytes, stored once. With every method loaded, " \
            "a runtime that gives each method its own copy holds 18.00 GiB of weights on the GPU; one copy is " \
            "9.00 GiB." in card
     assert "- ExecuTorch 1.2: each method's container copies its own weights blob" in card

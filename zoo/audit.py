@@ -254,10 +254,24 @@ def weights_facts(path: Union[str, Path]) -> Optional[Dict]:
         if order.is_file():
             for name in (json.loads(order.read_text()).get("mutable_buffers") or {}):
                 buffers.setdefault(name, []).append(method)
+    # "shared": some methods' blobs are one segment (the methods of a constant-plan group: zoo.constant_plan).
+    # One copy is every segment once: the weights of each group, and of each method on its own.
     return {"ptd_bytes": ptd.stat().st_size, "blobs": blobs, "segments": segments,
-            "shared": len(blobs) > 1 and len(segments) == 1,
-            "gpu_bytes_each_method_own_copy": sum(blobs.values()), "gpu_bytes_one_copy": max(blobs.values()),
+            "shared": any(len(segment) > 1 for segment in segments),
+            "gpu_bytes_each_method_own_copy": sum(blobs.values()),
+            "gpu_bytes_one_copy": sum(blobs[segment[0]] for segment in segments),
             "mutable_buffers_in_several_methods": {k: v for k, v in buffers.items() if len(v) > 1}}
+
+
+def how_blobs_are_stored(segments: Sequence[Sequence[str]], quote: str = "") -> str:
+    """The ``.ptd``'s segments (``weights_facts``) in words: which methods' weights blobs are stored once."""
+    names = lambda segment: " = ".join(f"{quote}{m}{quote}" for m in segment)  # noqa: E731
+    if not any(len(segment) > 1 for segment in segments):
+        return "each method's weights blob is stored apart"
+    if len(segments) == 1:
+        return "every method's weights blob is the same bytes, stored once"
+    return ("the methods that read the same weights have one blob, stored once: "
+            + "; ".join(names(segment) for segment in segments if len(segment) > 1))
 
 
 def _gib(n: int) -> str:
@@ -270,7 +284,7 @@ def weights_lines(w: Dict) -> List[str]:
     names = ", ".join(f"{m} {_gib(b)}" for m, b in blobs.items())
     if w["shared"]:
         stored = (f"{PTD_NAME} is {_gib(w['ptd_bytes'])} for one copy of the weights ({_gib(one)}, "
-                  f"{w['ptd_bytes'] / one:.2f}x): every method's weights blob is the same bytes, stored once")
+                  f"{w['ptd_bytes'] / one:.2f}x): {how_blobs_are_stored(w['segments'])}")
     else:
         stored = (f"{PTD_NAME} is {_gib(w['ptd_bytes'])}, {w['ptd_bytes'] / one:.2f}x the largest method's weights "
                   f"({_gib(one)}): each method's blob is stored" + (" apart" if len(blobs) > 1 else ""))

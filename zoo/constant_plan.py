@@ -14,8 +14,10 @@ So two methods of one unit carry different subsets of the weights in different o
 ``video_step`` and ``action_step`` blobs share ~10 GB of transformer weights yet differ as byte strings, and
 the ``.ptd`` stores both.
 
-``plan_constants`` makes one table for all methods: every constant any method reads (in a fixed order), except
-buffers some method mutates (a method's state stays its own) and names whose values differ between methods.
+``sharing_groups`` first puts the methods that read mostly the same weights together; each group gets its own
+table. ``plan_constants`` makes one table for all methods of a group: every constant any of them reads (in a fixed
+order), except buffers some method mutates (a method's state stays its own) and names whose values differ
+between methods.
 ``inductor_follows_plan``, active while a method is lowered, makes that method's constant table exactly the plan,
 adding what it does not read, followed by its own private constants. Methods without private constants then
 get byte-identical blobs: ``zoo.assemble`` stores them once (both ``<method>_weights_blob`` keys naming one
@@ -43,6 +45,9 @@ from .rewrites.graph import state_tensor, state_writer
 
 _STATE_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
                 InputKind.CONSTANT_TENSOR: "constant"}
+# Two methods share a constant table when the weights both read are at least this share of the smaller one's
+# (``sharing_groups``).
+GROUP_MIN_SHARE = 0.5
 
 
 @dataclass
@@ -152,6 +157,52 @@ def plan_constants(programs: Mapping[str, ExportedProgram]) -> ConstantPlan:
                 continue
             del planned[fqn], values[fqn]
     return ConstantPlan(constants=list(planned.values()), private=private)
+
+
+def read_constants(program: ExportedProgram) -> Dict[str, int]:
+    """The state constants (parameters, buffers, lifted constants) a method's graph reads: name -> the bytes of
+    its storage, as ``PlannedConstant.nbytes`` counts them."""
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    reads: Dict[str, int] = {}
+    for spec in program.graph_signature.input_specs:
+        node = placeholders.get(getattr(spec.arg, "name", None))
+        if spec.kind not in _STATE_KINDS or node is None or not node.users or spec.target is None:
+            continue
+        value = state_tensor(program, spec)
+        if isinstance(value, torch.Tensor):
+            reads[spec.target] = int(value.untyped_storage().nbytes())
+    return reads
+
+
+def sharing_groups(reads: Mapping[str, Mapping[str, int]], min_share: float = GROUP_MIN_SHARE) -> List[List[str]]:
+    """The methods (``reads``: each method's ``read_constants``) in groups that each get one constant table.
+
+    Two methods are linked when the constants both read, by name, make up at least ``min_share`` of the bytes
+    the smaller of the two reads; a group is a set of linked methods (transitively), in the methods' order.
+    One table for a whole unit would make every method's ``.so`` carry every other method's weights: LingBot-VA's
+    streaming VAE encodes and its transformer steps read disjoint weights, so with one table for all four methods
+    the plan does not pay, and the transformer steps lost their shared copy too. Grouped, the two steps share
+    one table (~10 GB, stored once) and the two encodes another. ``plan_constants`` then checks the values
+    within each group."""
+    methods = list(reads)
+    parent = {m: m for m in methods}
+
+    def root(m: str) -> str:
+        while parent[m] != m:
+            m = parent[m]
+        return m
+
+    totals = {m: sum(reads[m].values()) for m in methods}
+    for i, a in enumerate(methods):
+        for b in methods[i + 1:]:
+            shared = sum(n for fqn, n in reads[a].items() if fqn in reads[b])
+            smaller = min(totals[a], totals[b])
+            if smaller and shared >= min_share * smaller and root(a) != root(b):
+                parent[root(b)] = root(a)
+    groups: Dict[str, List[str]] = {}
+    for m in methods:
+        groups.setdefault(root(m), []).append(m)
+    return list(groups.values())
 
 
 def plan_values(program: ExportedProgram, plan: ConstantPlan) -> Dict[str, torch.Tensor]:

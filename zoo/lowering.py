@@ -64,7 +64,8 @@ from .artifact import (
     weights_file_name,
 )
 from .assemble import assemble_program
-from .constant_plan import ConstantPlan, inductor_follows_plan, plan_constants, plan_values
+from .constant_plan import (ConstantPlan, inductor_follows_plan, plan_constants, plan_values, read_constants,
+                            sharing_groups)
 from .environ import environ_restored
 from .errors import LoweringError, NoGpuError, ZooError, first_line
 from .lowering_workers import LoweredMethod, MethodJob, MethodPart, choose_workers, lower_in_process, lower_in_workers
@@ -443,21 +444,30 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
         mark = time.perf_counter()
         in_memory = {m: p if isinstance(p, ExportedProgram) else read_program(Path(p))
                      for m, p in programs.items()}
-        plan = plan_constants(in_memory)
-        plan_record = plan_decision(plan, len(methods))
+        reads = {m: read_constants(p) for m, p in in_memory.items()}
+        plans = [(group, plan_constants({m: in_memory[m] for m in group})) for group in sharing_groups(reads)]
+        plan_record = plans_decision(plans)
+        method_plan = {m: plan for (group, plan), record in zip(plans, plan_record["groups"]) if record["applied"]
+                       for m in group}
         stage_seconds["plan"] = round(time.perf_counter() - mark, 3)
+        # What each method's .so carries (its group's table, or its own reads), largest first: the workers start
+        # in this order, so the longest lowerings never wait behind small ones, and the memory bound counts them.
+        carried = {m: max(sum(reads[m].values()), method_plan[m].nbytes if m in method_plan else 0) for m in methods}
+        start_order = sorted(methods, key=lambda m: -carried[m])
         count, why = choose_workers(len(methods), requested=workers, configured=lowering.workers,
-                                    per_worker_bytes=WORKER_MEMORY_FACTOR * plan.nbytes + WORKER_MEMORY_BASE)
+                                    per_worker_bytes=[WORKER_MEMORY_FACTOR * carried[m] + WORKER_MEMORY_BASE
+                                                      for m in start_order])
         options = {"triton_kernel_mode": lowering.triton_kernel_mode, "max_mm_configs": lowering.max_mm_configs,
-                   "runtime": lowering.runtime, "preflight": run_preflight,
-                   "constant_plan": plan.as_dict() if plan_record["applied"] else None}
+                   "runtime": lowering.runtime, "preflight": run_preflight}
+        method_options = {m: {**options, "constant_plan": method_plan[m].as_dict() if m in method_plan else None}
+                          for m in methods}
         say(f"lowering {', '.join(methods)}: {count} at once ({why}); constant plan: {plan_record['why']}")
         mark = time.perf_counter()
         if count == 1:
             # In this process: programs read from files are ours to consume; the caller's are copied unless
             # handed over (to_edge_transform_and_lower changes the program it lowers).
             jobs = [MethodJob(m, in_memory[m] if consume or not isinstance(programs[m], ExportedProgram)
-                              else copy.deepcopy(in_memory[m]), options) for m in methods]
+                              else copy.deepcopy(in_memory[m]), method_options[m]) for m in methods]
             del in_memory
             with Progress("lower", len(methods), unit="method") as bar:
                 parts = lower_in_process(jobs, method_lowering.function, work / "methods",
@@ -467,11 +477,12 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
             del in_memory  # the parent's copies go before the workers load theirs
             files, saved = _program_files(programs, work / "programs", stage_seconds)
             mark = time.perf_counter()  # "methods" is the workers' time alone: the save has its own stage
-            jobs = [MethodJob(m, files[m], options) for m in methods]
+            jobs = [MethodJob(m, files[m], method_options[m]) for m in start_order]
             env = {"PYTHONPATH": os.pathsep.join(method_lowering.pythonpath)} if method_lowering.pythonpath else None
             with Progress("lower", len(methods), unit="method") as bar:
-                parts = lower_in_workers(jobs, method_lowering.function, work / "methods", max_workers=count,
-                                         env=env, say=say, bar=bar)
+                started = lower_in_workers(jobs, method_lowering.function, work / "methods", max_workers=count,
+                                           env=env, say=say, bar=bar)
+            parts = {m: started[m] for m in methods}  # the .pte lists the methods in the unit's order
             for path in saved:  # disk: at real size each is ~10 GB, and the workers are done with them
                 path.unlink()
         stage_seconds["methods"] = compile_seconds = round(time.perf_counter() - mark, 3)
@@ -481,16 +492,18 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
         failed = False
     finally:
         _clean_work_folder(work, keep_logs=failed)
-    options = {k: v for k, v in options.items() if k != "constant_plan"}
     options.update(inductor_cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(inductor_cache_dir()),
                    prune_choices_based_on_shared_mem=True, executorch=_executorch_version(),
                    triton_ptxas=lowering_ptxas(),
                    method_lowering=method_lowering.function)
-    weights = {"plan": plan_record, "plan_bytes": plan.nbytes if plan_record["applied"] else None,
+    weights = {"plan": plan_record, "plan_bytes": plan_record["bytes"] if plan_record["applied"] else None,
                **(ptd_summary or {"segments": None})}
     if ptd_summary:
-        keys = [m + WEIGHTS_SUFFIX for m in methods]
-        weights["stored_once"] = any(set(keys) <= set(segment) for segment in ptd_summary["segments"])
+        # Each group that got a shared table holds its weights once: its methods' blobs name one segment.
+        shared = [[m + WEIGHTS_SUFFIX for m in record["methods"]] for record in plan_record["groups"]
+                  if record["applied"]]
+        weights["stored_once"] = bool(shared) and all(
+            any(set(keys) <= set(segment) for segment in ptd_summary["segments"]) for keys in shared)
     return LoweringResult(
         out_dir=str(run.path), pte=PTE_NAME, ptd=PTD_NAME, pte_bytes=run.pte.stat().st_size,
         ptd_bytes=run.ptd.stat().st_size if run.ptd.exists() else 0, seconds=round(time.perf_counter() - start, 3),
@@ -498,6 +511,23 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
         preflight=PreflightResult.merged(preflights).as_dict() if preflights else None,
         workers={"count": count, "why": why, "in_process": count == 1}, weights=weights,
         stage_seconds=stage_seconds)
+
+
+def plans_decision(plans: Sequence[Tuple[List[str], ConstantPlan]]) -> Dict[str, Any]:
+    """``plan_decision`` for each group of methods (``constant_plan.sharing_groups``), and the whole: applied
+    when some group's table is; ``bytes`` counts the constants the methods read, once per group."""
+    groups = [{"methods": list(group), **plan_decision(plan, len(group))} for group, plan in plans]
+    applied = [g for g in groups if g["applied"]]
+    private: Dict[str, str] = {}
+    for g in groups:  # once, for the whole
+        private.update(g.pop("private"))
+    if len(groups) == 1:
+        why = groups[0]["why"]
+    else:
+        why = "; ".join(f"{' + '.join(g['methods'])}: {g['why']}" for g in groups)
+    return {"applied": bool(applied), "groups": groups, "constants": sum(g["constants"] for g in applied),
+            "bytes": sum(g["bytes"] for g in groups), "read_bytes": sum(g["read_bytes"] for g in groups),
+            "private": private, "why": why}
 
 
 def plan_decision(plan: ConstantPlan, methods: int) -> Dict[str, Any]:

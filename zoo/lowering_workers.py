@@ -33,7 +33,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import atomic, errors
 from .artifact import PTE_NAME, ensure_flatc
@@ -103,11 +103,12 @@ def resolve_function(spec: str) -> Callable[..., LoweredMethod]:
 
 
 def choose_workers(jobs: int, *, requested: Optional[int] = None, configured: Optional[int] = None,
-                   per_worker_bytes: Optional[int] = None) -> Tuple[int, str]:
+                   per_worker_bytes: Union[None, int, Sequence[int]] = None) -> Tuple[int, str]:
     """How many methods to lower at once, and why: ``requested`` (the caller's), else ``ZOO_LOWERING_WORKERS``
     (this machine's operator), else ``configured`` (the recipe's ``lowering.workers``), else one per method,
     at most one per four cores (each worker's Inductor starts its own pool of compile processes) and at most
-    as many as the available memory holds at ``per_worker_bytes`` each. Never more than ``jobs``."""
+    as many as the available memory holds: ``per_worker_bytes`` each, or, given one estimate per job in the
+    order they start (the largest first), as many of the first as fit together. Never more than ``jobs``."""
     jobs = max(jobs, 1)
     env = os.environ.get(ENV_MAX_WORKERS)
     if requested is not None:
@@ -126,10 +127,18 @@ def choose_workers(jobs: int, *, requested: Optional[int] = None, configured: Op
         value, why = min(jobs, max(1, cores // 4)), f"one per method, at most one per 4 of {cores} cores"
         available = available_memory_bytes()
         if per_worker_bytes and available is not None:
-            fits = max(1, available // per_worker_bytes)
+            estimates = ([int(per_worker_bytes)] * jobs if isinstance(per_worker_bytes, int)
+                         else [int(b) for b in per_worker_bytes])
+            fits, total = 0, 0
+            for estimate in estimates:
+                if total + estimate > available:
+                    break
+                fits, total = fits + 1, total + estimate
+            fits = max(1, fits)
             if fits < value:
-                value, why = fits, (f"as many as {available / 2**30:.0f} GiB of available memory holds at "
-                                    f"~{per_worker_bytes / 2**30:.1f} GiB each")
+                each = (f"~{estimates[0] / 2**30:.1f} GiB each" if len(set(estimates)) == 1 else
+                        f"~{', '.join(f'{e / 2**30:.1f}' for e in estimates[:fits + 1])} GiB, the largest first")
+                value, why = fits, f"as many as {available / 2**30:.0f} GiB of available memory holds at {each}"
     if value < 1:
         raise LoweringError(f"{why}: {value} workers; at least 1 is needed",
                             f"set {ENV_MAX_WORKERS} (or lowering.workers) to 1 or more, or leave it unset")

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
+from .audit import how_blobs_are_stored
 from .chunk_latency import measured_for
 from .report import markdown_table
 from .run_folder import SOURCE_JSON
@@ -225,8 +226,8 @@ def _weights_section(audit: Any, verification: Any = None) -> List[str]:
         out.append(f"- `aoti_cuda_blob.ptd` is {_gib(ptd)}; the methods' weights blobs: "
                    + ", ".join(f"`{m}` {_gib(b)}" for m, b in blobs.items()) + ".")
         if len(blobs) > 1:
-            out.append("- " + ("Every method's weights blob is the same bytes, stored once in the file."
-                               if weights.get("shared") else "Each method's weights blob is stored apart.")
+            stored = how_blobs_are_stored(weights.get("segments") or [], quote="`")
+            out.append(f"- {stored[0].upper()}{stored[1:]}."
                        + f" With every method loaded, a runtime that gives each method its own copy holds "
                          f"{_gib(weights.get('gpu_bytes_each_method_own_copy'))} of weights on the GPU; one copy "
                          f"is {_gib(one)}.")
