@@ -286,7 +286,7 @@ def weights_lines(w: Dict) -> List[str]:
         stored = (f"{PTD_NAME} is {_gib(w['ptd_bytes'])} for one copy of the weights ({_gib(one)}, "
                   f"{w['ptd_bytes'] / one:.2f}x): {how_blobs_are_stored(w['segments'])}")
     else:
-        stored = (f"{PTD_NAME} is {_gib(w['ptd_bytes'])}, {w['ptd_bytes'] / one:.2f}x the largest method's weights "
+        stored = (f"{PTD_NAME} is {_gib(w['ptd_bytes'])}, {w['ptd_bytes'] / one:.2f}x the methods' weights blobs "
                   f"({_gib(one)}): each method's blob is stored" + (" apart" if len(blobs) > 1 else ""))
     lines = [f"weights blobs: {names}", stored]
     if len(blobs) > 1:
