@@ -64,8 +64,20 @@ def test_a_sample_counts_the_innermost_frame_as_self_and_each_function_once_as_c
     profiler.write()
     text = (tmp_path / "p.txt").read_text()
     assert "3 samples every 0.5 s" in text
-    assert f"100.0%       1.5  {HERE}:parked" in text  # share and seconds (3 x 0.5 s)
+    assert f"100.0%       1.5  {HERE}:parked" in text  # share and seconds (3 x 0.5 s: never started, no wall time)
     assert " 66.7%       1.0  stage-a" in text
+
+
+def test_seconds_are_the_share_of_the_wall_time_when_samples_come_late(tmp_path):
+    # A job holding the GIL delays the sampler: 4 samples over 10 s of wall time stand for 2.5 s each, not 0.5 s.
+    profiler = SamplingProfiler(tmp_path / "p.txt", thread_id=threading.get_ident())
+    profiler._started = time.monotonic() - 10.0  # as if started 10 s ago
+    for _ in range(4):
+        profiler.sample()
+    text = profiler.report()
+    assert "4 samples every 0.5 s over 10.0 s of wall time, one per 2.500 s" in text
+    key = f"{HERE}:test_seconds_are_the_share_of_the_wall_time_when_samples_come_late"
+    assert f"100.0%      10.0  {key}" in text
 
 
 def test_frame_key_names_site_packages_files_by_their_package_path():
