@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping
+from typing import Any, Dict, Iterator, List, Mapping, Tuple
 
 import torch
 from torch.export import ExportedProgram
@@ -116,25 +116,16 @@ def plan_constants(programs: Mapping[str, ExportedProgram]) -> ConstantPlan:
     values: Dict[str, torch.Tensor] = {}
     private: Dict[str, str] = {}
     for method, program in programs.items():
-        placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-        for spec in program.graph_signature.input_specs:
-            kind = _STATE_KINDS.get(spec.kind)
-            node = placeholders.get(getattr(spec.arg, "name", None))
-            if kind is None or node is None or not node.users or spec.target is None:
-                continue
-            fqn = spec.target
+        for fqn, kind, value in _read_state(program):
             if fqn in mutated:
                 private[fqn] = f"buffer mutated by {mutated[fqn]}: each method keeps its own state"
                 continue
             if fqn in private:
                 continue
-            value = state_tensor(program, spec)
-            if not isinstance(value, torch.Tensor):
-                continue
             if fqn not in planned:
                 planned[fqn] = PlannedConstant(fqn=fqn, kind=kind, dtype=str(value.dtype).replace("torch.", ""),
-                                               shape=list(value.shape),
-                                               nbytes=int(value.untyped_storage().nbytes()), methods=[method])
+                                               shape=list(value.shape), nbytes=_storage_bytes(value),
+                                               methods=[method])
                 values[fqn] = value
             elif _same_value(values[fqn], value):
                 planned[fqn].methods.append(method)
@@ -159,19 +150,29 @@ def plan_constants(programs: Mapping[str, ExportedProgram]) -> ConstantPlan:
     return ConstantPlan(constants=list(planned.values()), private=private)
 
 
-def read_constants(program: ExportedProgram) -> Dict[str, int]:
-    """The state constants (parameters, buffers, lifted constants) a method's graph reads: name -> the bytes of
-    its storage, as ``PlannedConstant.nbytes`` counts them."""
+def _storage_bytes(value: torch.Tensor) -> int:
+    """What a GPU blob holds for a constant: its whole storage."""
+    return int(value.untyped_storage().nbytes())
+
+
+def _read_state(program: ExportedProgram) -> Iterator[Tuple[str, str, torch.Tensor]]:
+    """(name, kind, tensor) of each state tensor (parameter, buffer, lifted constant) the method's graph reads,
+    in signature order."""
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-    reads: Dict[str, int] = {}
     for spec in program.graph_signature.input_specs:
+        kind = _STATE_KINDS.get(spec.kind)
         node = placeholders.get(getattr(spec.arg, "name", None))
-        if spec.kind not in _STATE_KINDS or node is None or not node.users or spec.target is None:
+        if kind is None or node is None or not node.users or spec.target is None:
             continue
         value = state_tensor(program, spec)
         if isinstance(value, torch.Tensor):
-            reads[spec.target] = int(value.untyped_storage().nbytes())
-    return reads
+            yield spec.target, kind, value
+
+
+def read_constants(program: ExportedProgram) -> Dict[str, int]:
+    """The state constants a method's graph reads: name -> the bytes of its storage, as
+    ``PlannedConstant.nbytes`` counts them."""
+    return {fqn: _storage_bytes(value) for fqn, _, value in _read_state(program)}
 
 
 def sharing_groups(reads: Mapping[str, Mapping[str, int]], min_share: float = GROUP_MIN_SHARE) -> List[List[str]]:
@@ -285,7 +286,7 @@ def apply_plan(graph: Any, plan: ConstantPlan, values: Mapping[str, torch.Tensor
     graph.constants.clear()
     graph.constants.update(ordered)  # in place: codegen and the blob writer both read this dict
     return [{"name": name, "fqn": graph.allocated_constant_name.get(name, name), "dtype": str(value.dtype),
-             "shape": list(value.shape), "nbytes": int(value.untyped_storage().nbytes()),
+             "shape": list(value.shape), "nbytes": _storage_bytes(value),
              "planned": name in planned, "added": name in added, "adopted": name in adopted}
             for name, value in graph.constants.items()]
 
