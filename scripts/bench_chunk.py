@@ -65,7 +65,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 for path in (ROOT, ROOT / "scripts"):
@@ -158,12 +158,19 @@ def write_processors(family: str, config, folder: Path, seed: int) -> None:
     write_seeded_processors(family, config, folder, seed + 1)
 
 
+def fabricated_checkpoint(settings: Mapping[str, Any]) -> bool:
+    """Whether a run's policies load zoo's fabricated tiny checkpoint (``--tiny`` without ``--seeded``); every
+    other run builds them with seeded weights from a placeholder checkpoint."""
+    return bool(settings["tiny"]) and not settings["seeded"]
+
+
 @contextlib.contextmanager
-def policy_source(family: str, recipe, work: Path, tiny: bool, seeded: bool = False) -> Iterator[Tuple[Path, Callable]]:
-    """(checkpoint folder, weights context) with the policy's Hub repos in reach for the block: tiny recipes
-    use zoo's fabricated checkpoint; real ones (and tiny ones with ``seeded``: the real-size path's check on a
-    CPU) a placeholder checkpoint, seeded random weights and stand-ins."""
-    if tiny and not seeded:
+def policy_source(family: str, recipe, work: Path, settings: Mapping[str, Any]) -> Iterator[Tuple[Path, Callable]]:
+    """(checkpoint folder, weights context) with the policy's Hub repos in reach for the block: zoo's fabricated
+    checkpoint (``fabricated_checkpoint``), else a placeholder checkpoint, seeded random weights and stand-ins
+    (real-size ones for a real recipe; a tiny recipe with ``--seeded`` checks that path on a CPU)."""
+    tiny = bool(settings["tiny"])
+    if fabricated_checkpoint(settings):
         with checkpoint_in_reach(recipe) as checkpoint:
             yield checkpoint, contextlib.nullcontext
         return
@@ -174,7 +181,7 @@ def policy_source(family: str, recipe, work: Path, tiny: bool, seeded: bool = Fa
         write_processors(family, config, checkpoint, recipe.source.seed)
     cache = work / "hub"
     if not cache.is_dir():
-        say(f"{family}: writing the Hub stand-ins (real-size Wan2.2 VAE) into {cache}")
+        say(f"{family}: writing the Hub stand-ins ({'tiny' if tiny else 'real-size'} Wan2.2 VAE) into {cache}")
         standin_repos(family, config, cache, recipe.source.seed, real_vae=not tiny)
     draw_dtype = getattr(torch, recipe.unit.dtype)
     with hub_environment(cache, offline=True):
@@ -308,7 +315,7 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
     results["policies"].append(record)
     have = run.pte.is_file() if args.backend == "artifact" else run.program("rewritten", recipe.unit.methods[0]).is_file()
     try:
-        with policy_source(family, recipe, work, args.tiny, args.seeded) as (checkpoint, weights):
+        with policy_source(family, recipe, work, results["settings"]) as (checkpoint, weights):
             if not have and args.only not in ("bench", "check"):
                 say(f"{family}: build, export and lower ({', '.join(recipe.unit.methods)}) into {run.path}")
                 lower_policy(family, recipe, run, checkpoint, weights, args.device)
@@ -478,7 +485,7 @@ def policy_check_section(results: Dict[str, Any]) -> List[str]:
     if not checked:
         return []
     md = ["## Policy check: the runner against LeRobot's select_action (zoo.policy_check.check_run)", "",
-          ("zoo's fabricated tiny checkpoints." if results["settings"]["tiny"] and not results["settings"]["seeded"] else
+          ("zoo's fabricated tiny checkpoints." if fabricated_checkpoint(results["settings"]) else
            "Seeded weights drawn in the unit's dtype, so LeRobot's bf16 and float32 policies and the lowered unit "
            "hold the same values.")
           + " A bf16 unit is judged by zoo's bf16 rule, a float32 one by its float32 tolerance.", ""]
@@ -527,7 +534,7 @@ def record_timings(results: Dict[str, Any], args, command: str) -> Optional[Path
     env = results["environment"]
     entries = {r["recipe"]: chunk_latency.entry_from_bench(
         r, gpu=str(env.get("gpu") or env.get("device")), command=command, measured=time.strftime("%Y-%m-%d"),
-        weights="zoo's fabricated tiny checkpoint" if args.tiny and not args.seeded else
+        weights="zoo's fabricated tiny checkpoint" if fabricated_checkpoint(results["settings"]) else
         "seeded random weights (fast_init.seeded_weights), no checkpoint download")
         for r in results["policies"] if r.get("status") == "done" and check_passed(r)}  # a failed check: no numbers
     if not entries:
