@@ -70,9 +70,11 @@ def test_a_sample_counts_the_innermost_frame_as_self_and_each_function_once_as_c
 
 def test_seconds_are_the_share_of_the_wall_time_when_samples_come_late(tmp_path):
     # A job holding the GIL delays the sampler: 4 samples over 10 s of wall time stand for 2.5 s each, not 0.5 s.
-    profiler = SamplingProfiler(tmp_path / "p.txt", thread_id=threading.get_ident())
-    profiler._started = time.monotonic() - 10.0  # as if started 10 s ago
+    now = [100.0]
+    profiler = SamplingProfiler(tmp_path / "p.txt", thread_id=threading.get_ident(), clock=lambda: now[0])
+    profiler._started = now[0]  # started at 100 s on the fake clock, without the sampler thread
     for _ in range(4):
+        now[0] += 2.5
         profiler.sample()
     text = profiler.report()
     assert "4 samples every 0.5 s over 10.0 s of wall time, one per 2.500 s" in text
