@@ -327,6 +327,11 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
                 record["status"] = "checked"
                 policy_check(family, recipe, run, checkpoint, weights, args, record)
                 return
+            if args.backend == "artifact" and run.status() != "verified":
+                # A latency is worth quoting only for an artifact that computes what the policy does.
+                raise RuntimeError(f"the artifact in {run.path} has not passed verification (report status "
+                                   f"{run.status()!r}): nothing is timed on it; lower and verify it first "
+                                   "(--only lower), or run --only check to see how its actions differ")
             settings = run.read_host_settings()
             steps = RUNNERS[settings["policy_type"]].episode_steps(settings, args.chunks)
             observations = synthetic_observations(settings, steps, args.seed, recipe.policy_check.task)
@@ -371,6 +376,10 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
             record["runner_vs_eager_rel_l2"] = float(diff.norm() / timed["eager"]["actions"].norm())
             record["ratios"] = ratios(record["candidates"])
             record["status"] = "done"
+            nonfinite = int((~torch.isfinite(timed["runner"]["actions"])).sum())
+            if nonfinite:  # the JSON keeps the timings; the table shows the error; nothing is recorded for a card
+                record["status"], record["error"] = "failed", (f"the runner's actions hold {nonfinite} non-finite "
+                                                               "values: its latency is not recorded")
             del policy, pre, post, reference, timed
             if args.policy_check:
                 gc.collect()

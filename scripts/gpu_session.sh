@@ -24,12 +24,15 @@
 #   ptxas     first, before real and chunk-lower: scripts/ptxas_cache_check.py (a two-GEMM graph compiled as
 #             Inductor is and as zoo's lowering is: does the lowering process find the autotuning choices the
 #             compile pool built in Triton's cache?), about 4 minutes; WORK/ptxas holds its JSON
+#   sdpa      first (after ptxas), before real and chunk-lower: scripts/triton_sdpa_check.py (the attention executorch's
+#             Triton SDPA computes wrong, lowered as exported and after replace_triton_unsafe_sdpa_with_math),
+#             about 2 minutes; WORK/sdpa holds its JSON
 #   chunk     after real (when real is a job): scripts/bench_chunk.py on --chunk's policy (default fast_wam) in
 #             three jobs, one after the other, alone on the machine (issue 13): chunk-lower (build, export, lower and
 #             verify every method under the sampling profiler), chunk-check (zoo's policy check at real size, the artifact
 #             runner against LeRobot under the bf16 rule), chunk-bench (whole-chunk latency: runner, LeRobot eager,
 #             LeRobot torch.compile, recorded for the model card in the repo copy's zoo/data/chunk_latency.json,
-#             a copy of which lands in WORK/chunk);
+#             copied to WORK/chunk/recorded_chunk_latency.json, beside the bench's own chunk_latency.json);
 #             WORK/chunk holds their tables and JSON
 # Every job writes its log under WORK/jobs/NAME and its tables and JSON under WORK; nothing here waits for them.
 set -uo pipefail
@@ -49,7 +52,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 for job in ${JOBS//,/ }; do
-  case "$job" in real|runtime|tiny|tiny-et|real-et|tiny-bf16|chunk|ptxas) ;; *) echo "gpu_session: unknown job $job" >&2; exit 2 ;; esac
+  case "$job" in real|runtime|tiny|tiny-et|real-et|tiny-bf16|chunk|ptxas|sdpa) ;; *) echo "gpu_session: unknown job $job" >&2; exit 2 ;; esac
 done
 want() { [[ "$JOBS" == *",$1,"* ]]; }
 if want runtime && [ "$ET_SRC" = - ]; then echo "gpu_session: the runtime job needs ET_SRC (the ExecuTorch source tarball)" >&2; exit 2; fi
@@ -82,6 +85,10 @@ if want ptxas; then
   "$J" start "$WORK" ptxas --limit 900 -- bash -c "$(in_env python3 scripts/ptxas_cache_check.py --out "$WORK/ptxas")"
   first=(--after ptxas)
 fi
+if want sdpa; then
+  "$J" start "$WORK" sdpa "${first[@]}" --limit 300 -- bash -c "$(in_env python3 scripts/triton_sdpa_check.py --out "$WORK/sdpa")"
+  first=(--after sdpa)
+fi
 if want real; then
   "$J" start "$WORK" real "${first[@]}" --limit 1500 -- bash -c "$(in_env python3 -m zoo.sampling_profiler \
     --out "$WORK/real/profile.txt" scripts/real_size.py --out "$WORK/real" --recipe "$REAL_RECIPE" \
@@ -109,6 +116,6 @@ if want chunk; then
   "$J" start "$WORK" chunk-lower "${after[@]}" --limit 1500 -- bash -c "$(in_env env ZOO_LOWERING_PROFILE_DIR="$WORK/chunk/profiles" python3 -m zoo.sampling_profiler \
     --out "$WORK/chunk/lower-profile.txt" "${bench_chunk[@]}" --only lower)"
   "$J" start "$WORK" chunk-check --after chunk-lower --limit 900 -- bash -c "$(chunk --only check)"
-  "$J" start "$WORK" chunk-bench --after chunk-check --limit 1200 -- bash -c "$(chunk --only bench --record) && cp zoo/data/chunk_latency.json \"$WORK/chunk/\""
+  "$J" start "$WORK" chunk-bench --after chunk-check --limit 1200 -- bash -c "$(chunk --only bench --record) && cp zoo/data/chunk_latency.json \"$WORK/chunk/recorded_chunk_latency.json\""
 fi
 "$J" table "$WORK"

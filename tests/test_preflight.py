@@ -163,3 +163,34 @@ def test_a_cast_with_a_device_argument_needs_no_fallback_kernel():
         ep = torch.export.export(CastWithDevice(), (torch.randn(5, 3),))
     result = preflight.check_kernels({"forward": ep}, "1.2", triton_kernel_mode="OFF")
     assert result.refused == []
+
+
+class Attention(nn.Module):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def bf16_attention(width: int, keys: int):
+    g = torch.Generator().manual_seed(width + keys)
+    q = torch.randn(2, 1, 64, width, generator=g).bfloat16()
+    k, v = (torch.randn(2, 1, keys, width, generator=g).bfloat16() for _ in range(2))
+    return export(Attention(), q, k, v)
+
+
+@pytest.mark.parametrize("width, keys, fault", [(640, 64, "640/640 channels wide"),
+                                                (128, 64, "64 keys, not a multiple of 256")])
+def test_attention_the_triton_sdpa_computes_wrong_is_refused_naming_the_rewrite(width, keys, fault):
+    from zoo.rewrites import replace_triton_unsafe_sdpa_with_math
+
+    program = bf16_attention(width, keys)
+    result = check_kernels({"forward": program}, "1.2", triton_kernel_mode="ON")
+    assert [n.path for n in result.refused] == ["triton_sdpa"]
+    why = result.refused[0].why
+    assert fault in why and "with no error" in why and "replace_triton_unsafe_sdpa_with_math" in why
+    rewritten = replace_triton_unsafe_sdpa_with_math(program).program
+    assert check_kernels({"forward": rewritten}, "1.2", triton_kernel_mode="ON").refused == []
+
+
+def test_bf16_attention_over_whole_key_blocks_keeps_the_triton_sdpa():
+    result = check_kernels({"forward": bf16_attention(128, 512)}, "1.2", triton_kernel_mode="ON")
+    assert result.ok and result.refused == []

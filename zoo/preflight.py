@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 from .errors import KernelPreflightRefused, LoweringError, first_line
 from .report import format_table
 from .rewrites.result import source_line
+from .rewrites.triton_unsafe_sdpa import NAME as TRITON_SDPA_REWRITE, triton_sdpa_faults
 from .runtimes import compile_specs, load_runtimes, supported_fallback_kernels
 
 log = logging.getLogger("zoo.preflight")
@@ -388,12 +389,14 @@ def _where(node: torch.fx.Node) -> str:
     return source_line(node)
 
 
-def _sdpa_problems(node: torch.fx.Node) -> List[str]:
-    """Why executorch 1.2.0's Triton SDPA (used for every SDPA when triton_kernel_mode=ON) rejects a node."""
+def _sdpa_problems(node: torch.fx.Node) -> Tuple[List[str], str]:
+    """Why executorch 1.2.0's Triton SDPA (used for every SDPA when triton_kernel_mode=ON) rejects a node or would
+    compute it wrong, and the fix to name."""
     args = list(node.args) + [None] * 7
     q, k, v = (_val(a) for a in args[:3])
     mask = _val(args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask"))
     dropout = args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    causal = args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
     gqa = node.kwargs.get("enable_gqa", args[7] if len(node.args) > 7 else False)
     problems = []
     dtypes = {str(t.dtype).replace("torch.", "") for t in (q, k, v) if isinstance(t, torch.Tensor)}
@@ -407,7 +410,14 @@ def _sdpa_problems(node: torch.fx.Node) -> List[str]:
         problems.append("takes no dropout")
     if gqa:
         problems.append("takes no enable_gqa")
-    return problems
+    if problems:
+        return problems, "set lowering.triton_kernel_mode=OFF"
+    if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        faults = triton_sdpa_faults(q, k, v, mask if isinstance(mask, torch.Tensor) else None, bool(causal))
+        if faults:
+            return ([f"would compute it wrong, with no error: {fault}" for fault in faults],
+                    f"add {TRITON_SDPA_REWRITE} to the recipe's rewrites (or set lowering.triton_kernel_mode=OFF)")
+    return [], ""
 
 
 def kernel_needs(program: ExportedProgram, method: str, *, triton_kernel_mode: str = "ON",
@@ -426,12 +436,11 @@ def kernel_needs(program: ExportedProgram, method: str, *, triton_kernel_mode: s
         count += 1
         op = restore.get(source, source)
         if op is SDPA and triton_kernel_mode == "ON":
-            problems = _sdpa_problems(node)
+            problems, fix = _sdpa_problems(node)
             if problems:
                 found.append({"node": node, "source_op": source, "op": "triton.sdpa", "path": "triton_sdpa",
                               "kernel": "triton::sdpa", "symbol": None,
-                              "why": "executorch 1.2.0's Triton SDPA " + "; ".join(problems)
-                                     + ": set lowering.triton_kernel_mode=OFF"})
+                              "why": "executorch 1.2.0's Triton SDPA " + "; ".join(problems) + ": " + fix})
             continue
         decomposed = decomposer(op, node)
         parts = [(_aten_op(n.target), n) for n in decomposed] if decomposed is not None else [(op, node)]

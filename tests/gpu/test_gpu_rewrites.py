@@ -1,5 +1,6 @@
 """On a CUDA machine: programs that ExecuTorch 1.2.0's CUDA backend cannot take as exported lower and verify
-once zoo's rewrites have run, and the kernel preflight refuses an int64 scatter_add_ before compiling.
+once zoo's rewrites have run (attention that executorch's Triton SDPA computes wrong among them), and the kernel
+preflight refuses an int64 scatter_add_ before compiling.
 
 Each case exports on the CPU, applies the named rewrites, lowers with the real CudaPartitioner, takes the .so
 and weights out of the written model.pte / aoti_cuda_blob.ptd, runs them through torch's AOTI runner and
@@ -87,6 +88,11 @@ class CausalFlash(nn.Module):
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
 
 
+class Attention(nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
 class ScatterAddInt64(nn.Module):
     def forward(self, index, src):
         out = torch.zeros(8, dtype=torch.int64, device=src.device)
@@ -120,6 +126,16 @@ def test_causal_fused_flash_attention_bf16_at_a_square_shape(tmp_path):
     q, k, v = (torch.randn(1, 2, 16, 64, generator=g(s)).to(torch.bfloat16) for s in (6, 7, 8))
     # bf16 against the fused CUDA kernel run eagerly: both round to bf16, so allow bf16-sized differences.
     lower_and_compare(CausalFlash(), [q, k, v], ["replace_fused_sdpa_with_sdpa"], tmp_path, triton="ON", bound=2e-2)
+
+
+@pytest.mark.parametrize("heads, width", [(1, 640), (5, 128)], ids=["wan-vae-head-640", "head-128-64-keys"])
+def test_attention_the_triton_sdpa_gets_wrong_lowers_right_once_written_out(tmp_path, heads, width):
+    # Wan2.2's VAE middle-block attention at LingBot-VA's real size (2 cameras, 64 tokens, one 640-channel head),
+    # and a narrow head over 64 keys with no mask: both computed wrong by executorch's Triton SDPA as exported
+    # (scripts/triton_sdpa_check.py), here with the kernel mode on and the rewrite applied.
+    q, k, v = (torch.randn(2, heads, 64, width, generator=g(s)).to(torch.bfloat16) for s in (9, 10, 11))
+    lower_and_compare(Attention(), [q, k, v], ["replace_triton_unsafe_sdpa_with_math"], tmp_path, triton="ON",
+                      bound=2e-2)
 
 
 def test_int64_scatter_add_is_refused_by_the_preflight_before_compiling(tmp_path, monkeypatch):

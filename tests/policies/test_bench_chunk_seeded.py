@@ -46,3 +46,20 @@ def test_the_real_size_weights_path_passes_the_policy_check_on_a_cpu(tmp_path, p
     assert all(row["ok"] and row["rel_l2"] <= 1e-5 for row in rows), rows
     # The placeholder's weights file is empty: the weights came from the seeded fill, not from a file.
     assert (tmp_path / policy / "checkpoint" / "model.safetensors").stat().st_size < 1024
+
+
+def test_an_artifact_that_failed_verification_is_not_timed(tmp_path):
+    # The H200's first real-size LingBot-VA bench timed an artifact whose vae_encode_first had failed verification
+    # (its actions were NaN from the second chunk on) and recorded the latency for the model card.
+    run = tmp_path / "lingbot_va" / "run"
+    run.mkdir(parents=True)
+    (run / "model.pte").write_bytes(b"not a program")
+    (run / "report.json").write_text(json.dumps({"status": None, "failed_stage": "verify"}))
+    timed = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--backend", "artifact", "--device", "cpu",
+                            "--policies", "lingbot_va", "--only", "bench", "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=900)
+    assert timed.returncode == 1, timed.stderr[-3000:]
+    (record,) = json.loads((tmp_path / "chunk_latency.json").read_text())["policies"]
+    assert record["status"] == "failed" and "has not passed verification" in record["error"], record
+    assert record["candidates"] == {}  # nothing was timed
+    assert "has not passed verification" in timed.stdout

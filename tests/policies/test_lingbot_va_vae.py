@@ -128,7 +128,9 @@ def test_methods_export_rewrite_and_need_no_fallback_kernel(vae, methods):
         want = step(data[1][:, :, :4], *cache)
         got = programs["vae_encode"].module()(data[1][:, :, :4], *cache)
     for a, b in zip(got, want):
-        assert torch.equal(a, b)
+        # The middle block's attention is written out (replace_triton_unsafe_sdpa_with_math): the same math in
+        # another order of float32 operations; everything else is bit for bit.
+        assert float((a.double() - b.double()).norm() / b.double().norm()) < 1e-6
     # conv3d goes to Inductor's conv3d Triton template; the chunk()s became views (replace_view_copies).
     result = check_kernels(programs, "1.2", triton_kernel_mode="OFF")
     assert result.ok, result.table()

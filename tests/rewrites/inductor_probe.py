@@ -34,3 +34,20 @@ def inductor_input(ep):
                                 compile_config=EdgeCompileConfig(_check_ir_validity=False))
     (captured,) = _CAPTURED
     return captured
+
+
+def fallback_ops(ep):
+    """Ops Inductor can neither lower nor decompose: they would become ATen fallback kernels."""
+    import torch
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import lowerings
+
+    table = select_decomp_table()
+    out = set()
+    for node in ep.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target not in lowerings \
+                and target not in table \
+                and not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd"):
+            out.add(str(target))
+    return out

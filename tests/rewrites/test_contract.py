@@ -92,6 +92,22 @@ class Flash(nn.Module):
         return aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, False)[0] * 1
 
 
+class WideAttention(nn.Module):
+    """A head wider than executorch's Triton SDPA computes; ``gqa`` lets 2 key heads serve 4 query heads."""
+
+    def __init__(self, gqa: bool = False):
+        super().__init__()
+        self.gqa = gqa
+
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=self.gqa) * 1
+
+
+def wide_attention(hq: int, hkv: int) -> Tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, h, 5, 320, generator=g) for h in (hq, hkv, hkv))
+
+
 class Detaching(nn.Module):
     def forward(self, x):
         return (x * 2).detach() + 1
@@ -149,6 +165,8 @@ def declines() -> Dict[str, Callable[[], ExportedProgram]]:
         "split_float64_constants": lambda: exported(MutatedFloat64(), torch.randn(4)).program,
         # 2 key heads do not divide 3 query heads
         "replace_fused_sdpa_with_sdpa": lambda: exported(Flash(), *attention(3, 2)).program,
+        # grouped-query attention with a wide head: not written out
+        "replace_triton_unsafe_sdpa_with_math": lambda: exported(WideAttention(gqa=True), *wide_attention(4, 2)).program,
         # a joint program, where detach decides which gradients flow
         "replace_detach_with_alias": lambda: as_joint(exported(Detaching(), x4).program),
         # split sizes that are symbols: no slice with integer bounds
@@ -167,6 +185,7 @@ def changes() -> Dict[str, Callable[[], Case]]:
         "narrow_float64": lambda: exported(Float64Table(), torch.randn(4)),
         "split_float64_constants": lambda: exported(Float64Table(), torch.randn(4)),
         "replace_fused_sdpa_with_sdpa": lambda: exported(Flash(), *attention(2, 2)),
+        "replace_triton_unsafe_sdpa_with_math": lambda: exported(WideAttention(), *wide_attention(2, 2)),
         "replace_detach_with_alias": lambda: exported(Detaching(), torch.randn(3, 4)),
         "replace_view_copies": lambda: exported(Split(), torch.randn(3, 4)),
         "make_outputs_safe": lambda: exported(Transposed(), torch.randn(4, 2)),

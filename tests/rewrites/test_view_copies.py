@@ -17,7 +17,7 @@ from torch import nn
 from torch.export import Dim, export
 
 
-from inductor_probe import inductor_input
+from inductor_probe import fallback_ops, inductor_input
 from zoo.rewrites import replace_view_copies
 
 aten = torch.ops.aten
@@ -31,20 +31,6 @@ def export_ng(module, args, dynamic_shapes=None):
 
 def targets(ep):
     return [n.target for n in ep.graph.nodes if n.op == "call_function"]
-
-
-def fallback_ops(ep):
-    """Ops Inductor can neither lower nor decompose: they would become ATen fallback kernels."""
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._inductor.lowering import lowerings
-
-    table = select_decomp_table()
-    out = set()
-    for target in targets(ep):
-        if isinstance(target, torch._ops.OpOverload) and target not in lowerings and target not in table and \
-                not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd"):
-            out.add(str(target))
-    return out
 
 
 # ------------------------------------------------------------------ modules
