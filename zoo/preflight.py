@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import KernelPreflightRefused, LoweringError, first_line
 from .report import format_table
+from .rewrites.graph import schema_get
 from .rewrites.result import source_line
 from .rewrites.triton_unsafe_sdpa import NAME as TRITON_SDPA_REWRITE, triton_sdpa_faults
 from .runtimes import compile_specs, load_runtimes, supported_fallback_kernels
@@ -392,12 +393,12 @@ def _where(node: torch.fx.Node) -> str:
 def _sdpa_problems(node: torch.fx.Node) -> Tuple[List[str], str]:
     """Why executorch 1.2.0's Triton SDPA (used for every SDPA when triton_kernel_mode=ON) rejects a node or would
     compute it wrong, and the fix to name."""
-    args = list(node.args) + [None] * 7
-    q, k, v = (_val(a) for a in args[:3])
-    mask = _val(args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask"))
-    dropout = args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-    causal = args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
-    gqa = node.kwargs.get("enable_gqa", args[7] if len(node.args) > 7 else False)
+
+    def arg(name: str) -> Any:  # the edge op keeps the ATen schema: defaults filled in where the call left them out
+        return schema_get(node.target, node.args, node.kwargs, name)
+
+    q, k, v, mask = (_val(arg(name)) for name in ("query", "key", "value", "attn_mask"))
+    dropout, causal, gqa = arg("dropout_p"), arg("is_causal"), arg("enable_gqa")
     problems = []
     dtypes = {str(t.dtype).replace("torch.", "") for t in (q, k, v) if isinstance(t, torch.Tensor)}
     if dtypes != {"bfloat16"}:
