@@ -58,7 +58,6 @@ def _recipe():
 
 def one_case(label: str, width: int, heads: int, rewrite: bool, out: Path) -> dict:
     from zoo.aoti_runner import AotiRunner
-    from zoo.artifact import PTD_NAME, PTE_NAME, extract_method_files
     from zoo.lowering import lower_to_pte
     from zoo.recipes import Tolerance
     from zoo.rewrites import replace_triton_unsafe_sdpa_with_math
@@ -76,10 +75,8 @@ def one_case(label: str, width: int, heads: int, rewrite: bool, out: Path) -> di
     start = time.perf_counter()
     lowered = lower_to_pte({"forward": ep}, folder, _recipe(), run_preflight=False, workers=1)
     seconds = time.perf_counter() - start
-    files = extract_method_files(folder / PTE_NAME, folder / PTD_NAME if (folder / PTD_NAME).exists() else None,
-                                 folder / "x")
-    order = lowered.methods["forward"]
-    runner = AotiRunner(files["forward"]["so"], files["forward"]["weights"], "cuda")
+    order = lowered.methods["forward"]  # lower_to_pte extracted its .so and weights from the written files
+    runner = AotiRunner(folder / order.so, folder / order.weights if order.weights else None, "cuda")
     inputs = [t.cuda() for t in (q, k, v)]
     got = runner.run([inputs[i] for i in order.input_order])[order.output_order[0]]
     with torch.no_grad():

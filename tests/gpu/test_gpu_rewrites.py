@@ -30,7 +30,6 @@ def lower_and_compare(module: nn.Module, inputs: Sequence[torch.Tensor], rewrite
                       triton: str = "OFF", bound: float = 1e-5):
     from zoo import numerics, rewrites as zr
     from zoo.aoti_runner import AotiRunner
-    from zoo.artifact import PTD_NAME, PTE_NAME, extract_method_files
     from zoo.lowering import lower_to_pte
 
     module = module.eval()
@@ -41,9 +40,8 @@ def lower_and_compare(module: nn.Module, inputs: Sequence[torch.Tensor], rewrite
         assert result.declined is None, result.declined
         ep = result.program
     lowered = lower_to_pte({"forward": ep}, out, _recipe(triton))
-    files = extract_method_files(out / PTE_NAME, out / PTD_NAME if (out / PTD_NAME).exists() else None, out / "x")
-    order = lowered.methods["forward"]
-    runner = AotiRunner(files["forward"]["so"], files["forward"]["weights"], "cuda")
+    order = lowered.methods["forward"]  # lower_to_pte extracted its .so and weights from the written files
+    runner = AotiRunner(out / order.so, out / order.weights if order.weights else None, "cuda")
     gpu_inputs = [t.cuda() for t in inputs]
     outs = runner.run([gpu_inputs[i] for i in order.input_order])
     got = [outs[j] for j in order.output_order]
