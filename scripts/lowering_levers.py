@@ -168,8 +168,8 @@ def run_child(args) -> int:
         print(compile_phase_times(top=20), file=sys.stderr, flush=True)
         with prof.section("latency"):
             art = result.methods[args.method]
-            order = {"input_order": art.input_order, "output_order": art.output_order}
-            runner = AotiRunner(out / art.so, out / art.weights if art.weights else None, "cuda")
+            order = art.delegate_order
+            runner = AotiRunner(*art.files(out), "cuda")
             dev_inputs = [t.to("cuda") for t in inputs]
             module = unit.methods[args.method].module.to("cuda")
             with torch.no_grad():

@@ -36,7 +36,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zoo import numerics  # noqa: E402
+from zoo import numerics, verify  # noqa: E402
 from zoo.report import format_table  # noqa: E402
 
 CASES = (("as exported", 640, 1, False), ("rewritten", 640, 1, True), ("narrow", 128, 5, False),
@@ -75,10 +75,9 @@ def one_case(label: str, width: int, heads: int, rewrite: bool, out: Path) -> di
     start = time.perf_counter()
     lowered = lower_to_pte({"forward": ep}, folder, _recipe(), run_preflight=False, workers=1)
     seconds = time.perf_counter() - start
-    order = lowered.methods["forward"]  # lower_to_pte extracted its .so and weights from the written files
-    runner = AotiRunner(folder / order.so, folder / order.weights if order.weights else None, "cuda")
+    art = lowered.methods["forward"]  # lower_to_pte extracted its .so and weights from the written files
     inputs = [t.cuda() for t in (q, k, v)]
-    got = runner.run([inputs[i] for i in order.input_order])[order.output_order[0]]
+    (got,) = verify.run_in_delegate_order(AotiRunner(*art.files(folder), "cuda"), art.delegate_order, inputs)
     with torch.no_grad():
         eager = Attention()(*inputs)
         ref32 = Attention()(*(t.float() for t in inputs))

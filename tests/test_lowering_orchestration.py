@@ -147,10 +147,10 @@ def test_parallel_and_sequential_lowerings_verify_alike_against_eager(lowered):
         specs = [InputSpec(**d) for d in IO[method]["inputs"]]
         inputs = verify.draw_inputs(specs, {}, 0, method)
         files = artifact.reusable_method_files(par["run"].pte, par["run"].ptd, par["run"].so_dir, [method])
-        # The lowering's result names those same files (scripts and GPU tests run the .so from it).
+        # The lowering's result names those same files and orders (scripts and GPU tests run the .so from it).
         art = par["result"].methods[method]
-        assert (par["run"].path / art.so, par["run"].path / art.weights) == (files[method]["so"],
-                                                                             files[method]["weights"])
+        assert art.files(par["run"].path) == (files[method]["so"], files[method]["weights"])
+        assert art.delegate_order == {k: order[k] for k in ("input_order", "output_order")}
         got_out = verify.run_in_delegate_order(CpuRunner(method, files[method]["so"], files[method]["weights"],
                                                          "cpu"), order, inputs)
         torch.testing.assert_close(got_out[0], eager[method](*inputs), rtol=1e-5, atol=1e-5)

@@ -128,6 +128,15 @@ class MethodArtifact:
     constants: Dict[str, Any] = field(default_factory=dict)  # its .so's constant table against the shared plan
     shares_weights_with: Optional[str] = None  # the method whose weights segment (and so/ file) this one names
 
+    def files(self, folder: Path) -> Tuple[Path, Optional[Path]]:
+        """Its extracted .so and weights under the lowering's output ``folder`` (None: a method without weights)."""
+        return folder / self.so, (folder / self.weights if self.weights else None)
+
+    @property
+    def delegate_order(self) -> Dict[str, List[int]]:
+        """Its two orders as ``so/<method>.io.json`` holds them, for ``verify.run_in_delegate_order``."""
+        return {"input_order": self.input_order, "output_order": self.output_order}
+
 
 @dataclass
 class LoweringResult:

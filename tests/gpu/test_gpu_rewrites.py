@@ -28,7 +28,7 @@ def _recipe(triton: str):
 
 def lower_and_compare(module: nn.Module, inputs: Sequence[torch.Tensor], rewrites: Sequence[str], out: Path,
                       triton: str = "OFF", bound: float = 1e-5):
-    from zoo import numerics, rewrites as zr
+    from zoo import numerics, rewrites as zr, verify
     from zoo.aoti_runner import AotiRunner
     from zoo.lowering import lower_to_pte
 
@@ -40,11 +40,9 @@ def lower_and_compare(module: nn.Module, inputs: Sequence[torch.Tensor], rewrite
         assert result.declined is None, result.declined
         ep = result.program
     lowered = lower_to_pte({"forward": ep}, out, _recipe(triton))
-    order = lowered.methods["forward"]  # lower_to_pte extracted its .so and weights from the written files
-    runner = AotiRunner(out / order.so, out / order.weights if order.weights else None, "cuda")
+    art = lowered.methods["forward"]  # lower_to_pte extracted its .so and weights from the written files
     gpu_inputs = [t.cuda() for t in inputs]
-    outs = runner.run([gpu_inputs[i] for i in order.input_order])
-    got = [outs[j] for j in order.output_order]
+    got = verify.run_in_delegate_order(AotiRunner(*art.files(out), "cuda"), art.delegate_order, gpu_inputs)
     with torch.no_grad():
         want = module.cuda()(*gpu_inputs)
     want = list(want) if isinstance(want, (tuple, list)) else [want]
