@@ -41,7 +41,7 @@ OUT/chunk_latency.json and OUT/chunk_latency.md are rewritten after every policy
 OUT/policy_check.json and OUT/policy_check.md, so an earlier timing stays).
 
 Policy check (``--policy-check``, after the timing; or ``--only check``): zoo's own check of the run,
-``zoo.policy_check.check_run`` (the runner on ``--backend``/``--device`` against LeRobot's select_action over the
+``zoo.export.policy_check.check_run`` (the runner on ``--backend``/``--device`` against LeRobot's select_action over the
 recipe's policy_check episode), inside the same seeded weights: for a bf16 unit zoo's bf16 rule (per chunk, the
 runner's distance from LeRobot float32 <= bf16_factor x LeRobot bf16's own, cosine >= bf16_min_cosine), for a
 float32 unit the float32 tolerance. Recorded per policy under ``policy_check`` and in its own section of the
@@ -50,7 +50,7 @@ markdown; a failed or broken check fails the policy (exit status 1) without hidi
 real-size run's weights path (placeholder checkpoint, seeded weights, stand-ins), which a tiny checkpoint skips.
 
 ``--record`` stores each timed policy's numbers under its recipe in ``zoo/data/chunk_latency.json``
-(``zoo.chunk_latency``), which the model card of every artifact of that recipe quotes; only the artifact runner on
+(``zoo.contract.chunk_latency``), which the model card of every artifact of that recipe quotes; only the artifact runner on
 a GPU at real size may go there (``--record FILE`` writes any run elsewhere).
 """
 
@@ -76,14 +76,18 @@ import torch  # noqa: E402
 
 from bench_real_size import (  # noqa: E402
     fast_wam_config, placeholder_checkpoint, write_seeded_processors)
-from zoo import bench, chunk_latency, gpu_steps, pipeline, policies  # noqa: E402
-from zoo.hub_cache import hub_environment, put_in_cache  # noqa: E402
-from zoo.policy_check import check_run, checkpoint_in_reach  # noqa: E402
+from zoo import bench
+from zoo.contract import chunk_latency
+from zoo.export import stages as gpu_steps
+from zoo.export import pipeline
+from zoo import policies  # noqa: E402
+from zoo.export.hub_cache import hub_environment, put_in_cache  # noqa: E402
+from zoo.export.policy_check import check_run, checkpoint_in_reach  # noqa: E402
 from zoo.policies import fast_init  # noqa: E402
 from zoo.policies.tiny_wan import real_size_wan22_vae  # noqa: E402
-from zoo.recipes import load_recipe  # noqa: E402
-from zoo.report import RunReport, format_table, markdown_table  # noqa: E402
-from zoo.run_folder import RunFolder  # noqa: E402
+from zoo.contract.recipes import load_recipe  # noqa: E402
+from zoo.core.report import RunReport, format_table, markdown_table  # noqa: E402
+from zoo.contract.run_folder import RunFolder  # noqa: E402
 from zoo.runner import load as load_runner  # noqa: E402
 from zoo.runner.check import ProcessedPolicy  # noqa: E402
 from zoo.runner.loading import RUNNERS  # noqa: E402
@@ -493,7 +497,7 @@ def policy_check_section(results: Dict[str, Any]) -> List[str]:
     checked = [r for r in results["policies"] if r.get("policy_check")]
     if not checked:
         return []
-    md = ["## Policy check: the runner against LeRobot's select_action (zoo.policy_check.check_run)", "",
+    md = ["## Policy check: the runner against LeRobot's select_action (zoo.export.policy_check.check_run)", "",
           ("zoo's fabricated tiny checkpoints." if fabricated_checkpoint(results["settings"]) else
            "Seeded weights drawn in the unit's dtype, so LeRobot's bf16 and float32 policies and the lowered unit "
            "hold the same values.")
@@ -538,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def record_timings(results: Dict[str, Any], args, command: str) -> Optional[Path]:
-    """The timed policies' entries into ``args.record`` (``zoo.chunk_latency``); None when nothing was timed. A
+    """The timed policies' entries into ``args.record`` (``zoo.contract.chunk_latency``); None when nothing was timed. A
     policy whose policy check failed in the same run is left out: the card quotes speed of an artifact that works."""
     env = results["environment"]
     entries = {r["recipe"]: chunk_latency.entry_from_bench(

@@ -45,13 +45,19 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from zoo import bench, exporting, gpu_steps, hub, pipeline, policies, tiny_hub  # noqa: E402
-from zoo.errors import ZooError  # noqa: E402
-from zoo.hub_cache import hub_environment, put_in_cache  # noqa: E402
+from zoo import bench
+from zoo.export import trace as exporting
+from zoo.export import stages as gpu_steps
+from zoo.export import pull as hub
+from zoo.export import pipeline
+from zoo import policies
+from zoo.export import tiny_hub  # noqa: E402
+from zoo.core.errors import ZooError  # noqa: E402
+from zoo.export.hub_cache import hub_environment, put_in_cache  # noqa: E402
 from zoo.policies.base import ExportUnit  # noqa: E402
-from zoo.recipes import load_recipe  # noqa: E402
-from zoo.report import RunReport, timed_stage  # noqa: E402
-from zoo.run_folder import RunFolder  # noqa: E402
+from zoo.contract.recipes import load_recipe  # noqa: E402
+from zoo.core.report import RunReport, timed_stage  # noqa: E402
+from zoo.contract.run_folder import RunFolder  # noqa: E402
 
 SAVE_PROGRAMS_MAX_BYTES = 1 << 30  # above this, .pt2 copies of the weights cost more disk than they are worth
 
@@ -117,7 +123,8 @@ def build_llama(recipe, work: Path) -> ExportUnit:
 
 def build_lingbot_va(recipe, work: Path) -> ExportUnit:
     # Imported here: they need lerobot (the policies extra), which the llama unit and --help do not.
-    from zoo.policies import fast_init, lingbot_va
+    from zoo.policies import fast_init
+    from zoo.policies.lingbot_va.unit import unit as lingbot_va
 
     # The configuration a fabricated checkpoint of this recipe would carry (recipe policy_config, cameras).
     config = lingbot_va._fabricated_config(recipe, lingbot_va._validate_recipe(recipe))
@@ -164,7 +171,8 @@ def write_seeded_processors(family: str, config, folder: Path, seed: int) -> Non
 
 def build_fast_wam(recipe, work: Path) -> ExportUnit:
     # Imported here: they need lerobot (the policies extra), which the llama unit and --help do not.
-    from zoo.policies import fast_init, fast_wam
+    from zoo.policies import fast_init
+    from zoo.policies.fast_wam.unit import unit as fast_wam
 
     config = fast_wam_config(recipe)
     folder = placeholder_checkpoint(config, work / "checkpoint")
@@ -415,6 +423,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from zoo.cli import guarded
+    from zoo.cli.common import guarded
 
     sys.exit(guarded(main))

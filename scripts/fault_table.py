@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zoo.report import markdown_table  # noqa: E402
+from zoo.core.report import markdown_table  # noqa: E402
 
 HEADER = ["command", "stage", "fault", "exit", "failed at", "message", "earlier run intact"]
 

@@ -27,8 +27,8 @@ from typing import Dict, List
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zoo.report import format_table, markdown_table  # noqa: E402
-from zoo.run_folder import RunFolder  # noqa: E402
+from zoo.core.report import format_table, markdown_table  # noqa: E402
+from zoo.contract.run_folder import RunFolder  # noqa: E402
 
 TINY = ("llama-rope-tiny", "lingbot-va-tiny", "fast-wam-tiny")
 STAGES = ("export", "rewrite", "cpu_check", "preflight", "lower", "audit", "verify")
@@ -83,7 +83,7 @@ def broken_artifact(runs: Path, good: str, other: str, out_name: str, timeout: i
     shutil.rmtree(broken, ignore_errors=True)
     shutil.copytree(runs / good, broken)
     shutil.copyfile(RunFolder(runs / other).ptd, RunFolder(broken).ptd)
-    cmd = [sys.executable, "-m", "zoo.lower", str(broken), "--verify-only"]
+    cmd = [sys.executable, "-m", "zoo", "lower", str(broken), "--verify-only"]
     result = _run(out_name, cmd, runs / f"{out_name}.log", timeout, broken)
     result["expected"] = "exit 3 (verification failed)"
     result["as_expected"] = result["rc"] == 3

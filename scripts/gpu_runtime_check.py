@@ -4,7 +4,7 @@
         [--from-report | --no-verify] [--steps 3] [--latency METHOD ...] [--warmup 3] [--iters 20]
 
 Per run folder:
-1. Verification on both runtimes (zoo.verify with ``runtimes=both``: the same inputs, seeds, sizes and
+1. Verification on both runtimes (zoo.export.verify with ``runtimes=both``: the same inputs, seeds, sizes and
    tolerances for each). ``--from-report`` reads instead what ``python -m zoo.export ... --runtime both`` already
    recorded in the run's report.json (nothing is recomputed); ``--no-verify`` skips it (a real-size run folder
    without its exported programs).
@@ -41,21 +41,22 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from zoo import et_runtime, verify  # noqa: E402
-from zoo.artifact import extract_method_files  # noqa: E402
-from zoo.errors import ZooError  # noqa: E402
+from zoo.contract.releases import executorch as et_runtime
+from zoo.export import verify  # noqa: E402
+from zoo.contract.artifact import extract_method_files  # noqa: E402
+from zoo.core.errors import ZooError  # noqa: E402
 from zoo.policies.base import InputSpec  # noqa: E402
-from zoo.report import format_table  # noqa: E402
-from zoo.run_folder import RunFolder  # noqa: E402
-from zoo.runtime_check import pool_sequence, result_passed, summary_rows  # noqa: E402
-from zoo.tensor_file import write_tensor  # noqa: E402
-from zoo.verify_backends import choose_runtimes  # noqa: E402
+from zoo.core.report import format_table  # noqa: E402
+from zoo.contract.run_folder import RunFolder  # noqa: E402
+from zoo.export.runtime_sequence import pool_sequence, result_passed, summary_rows  # noqa: E402
+from zoo.contract.tensor_file import write_tensor  # noqa: E402
+from zoo.export.verify_runtimes import choose_runtimes  # noqa: E402
 
 # --- 1. verification on both runtimes ----------------------------------------------------------------------------------
 
 
 def verify_both(run: RunFolder, recipe, runner: Path) -> Dict[str, Any]:
-    """zoo.verify over both runtimes; what report.json's "verification" holds (rows, runtimes, notes)."""
+    """zoo.export.verify over both runtimes; what report.json's "verification" holds (rows, runtimes, notes)."""
     choice = choose_runtimes(["aoti", "executorch"], runner)
     return verify.verify_artifact(run, recipe, runtimes=choice, raise_on_failure=False).as_dict()
 
@@ -111,7 +112,7 @@ def latency(run: RunFolder, recipe, method: str, runner: Path, work: Path, warmu
     for f in files:
         Path(f).unlink(missing_ok=True)
 
-    from zoo.aoti_runner import AotiRunner
+    from zoo.runtimes.aoti import AotiRunner
 
     so, weights = run.so_file(method), run.weights_file(method)
     if not so.exists():  # the shipped ones, out of the .pte/.ptd, as verification does

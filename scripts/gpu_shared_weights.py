@@ -8,7 +8,7 @@ assembled into one model.pte + aoti_cuda_blob.ptd whose shared weights are store
 
 ``lower``: RUN_DIR is a run folder with ``rewritten.<method>.pt2`` (``python -m zoo.export lingbot-va-tiny``, or
 ``export-real``). Each method is lowered by ExecuTorch's CudaPartitioner in its own worker process
-(``zoo.lowering_workers``), with ``zoo.constant_plan`` making every method's constant table the same
+(``zoo.export.lower.workers``), with ``zoo.export.lower.constant_plan`` making every method's constant table the same
 (``--no-plan``: today's tables, the control). OUT gets model.pte, aoti_cuda_blob.ptd, so/<method>.io.json, links
 to RUN_DIR's other files, and summary.json (per-method times, the plan, each .so's constant table, and what
 the .ptd holds: sizes and which keys share a segment).
@@ -42,9 +42,15 @@ for path in (ROOT, ROOT / "scripts"):
 
 import torch  # noqa: E402
 
-from zoo import artifact, assemble, atomic, constant_plan, lowering, lowering_workers, runtimes  # noqa: E402
-from zoo.lowering_workers import LoweredMethod, MethodJob  # noqa: E402
-from zoo.run_folder import PROGRAM_KINDS, RunFolder  # noqa: E402
+from zoo.contract import artifact
+from zoo.export.lower import assemble
+from zoo.core import atomic
+from zoo.export.lower import constant_plan
+from zoo.export.lower import lowering
+from zoo.export.lower import workers as lowering_workers
+from zoo.contract import releases as runtimes  # noqa: E402
+from zoo.export.lower.workers import LoweredMethod, MethodJob  # noqa: E402
+from zoo.contract.run_folder import PROGRAM_KINDS, RunFolder  # noqa: E402
 
 
 def say(message: str) -> None:
@@ -55,8 +61,8 @@ def say(message: str) -> None:
 
 
 def lower_cuda_method(method: str, program, options: Dict[str, Any]) -> LoweredMethod:
-    """zoo's CUDA lowering of one method (what zoo.lowering.lower_to_pte does per method), with the shared
-    constant plan when the options carry one. A zoo.lowering_workers function."""
+    """zoo's CUDA lowering of one method (what zoo.export.lower.lowering.lower_to_pte does per method), with the shared
+    constant plan when the options carry one. A zoo.export.lower.workers function."""
     from executorch.backends.cuda.cuda_partitioner import CudaPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
 
@@ -177,10 +183,10 @@ def extract_once(pte: Path, index, methods: List[str], folder: Path) -> Dict[str
 
 
 def cmd_check(args) -> int:
-    from zoo import numerics
-    from zoo.aoti_runner import promote_libtorch_global
+    from zoo.core import numerics
+    from zoo.runtimes.aoti import promote_libtorch_global
     from zoo.policies.base import InputSpec
-    from zoo.verify import draw_inputs, run_in_delegate_order
+    from zoo.export.verify import draw_inputs, run_in_delegate_order
 
     out = RunFolder(Path(args.out).resolve())
     recipe = out.load_recipe()
@@ -242,7 +248,7 @@ def cmd_check(args) -> int:
     say(f"outputs: {json.dumps(result['outputs'], indent=1)}")
     say(f"memory: {json.dumps(result['memory_mib'], indent=1)}")
     if args.verify:
-        from zoo.verify import verify_artifact
+        from zoo.export.verify import verify_artifact
 
         verified = verify_artifact(out, recipe, raise_on_failure=False, runtimes=["aoti"])
         result["verification"] = {"ok": verified.ok, "table": verified.table()}
@@ -259,7 +265,8 @@ def cmd_export_real(args) -> int:
 
     import bench_real_size as brs
 
-    from zoo import exporting, pipeline
+    from zoo.export import trace as exporting
+    from zoo.export import pipeline
 
     out = RunFolder(Path(args.out).resolve())
     out.path.mkdir(parents=True, exist_ok=True)

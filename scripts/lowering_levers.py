@@ -12,7 +12,7 @@ with the baseline variant's artifact (same inputs), and a sampling profile (OUT/
 OUT/levers.md and OUT/levers.json are rewritten after every variant, so a run cut short keeps what it measured.
 
 Variants (each changes one thing against ``baseline``, zoo's lowering as it is):
-  baseline           zoo.lowering.lower_to_pte, no preflight (the preflight is measured on the CPU)
+  baseline           zoo.export.lower.lowering.lower_to_pte, no preflight (the preflight is measured on the CPU)
   no_epilogue_bench  TORCHINDUCTOR_BENCHMARK_EPILOGUE_FUSION=0: GEMM epilogue fusion decided by Inductor's
                      estimate instead of compiling and benchmarking each template+epilogue pair
   wrapper_o0         AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL=O0 and TORCHINDUCTOR_VEC_ISA_OK=0: the C++ wrapper
@@ -75,8 +75,10 @@ def build_method(layers: int, method: str):
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench_real_size as brs
 
-    from zoo import exporting, pipeline
-    from zoo.policies import fast_init, lingbot_va
+    from zoo.export import trace as exporting
+    from zoo.export import pipeline
+    from zoo.policies import fast_init
+    from zoo.policies.lingbot_va.unit import unit as lingbot_va
 
     recipe = brs.unit_recipe(brs.parse_unit("lingbot_va"), tiny=False)
     options = recipe.unit.options  # a dict, or (families by convention) the family's options dataclass
@@ -117,7 +119,7 @@ def run_child(args) -> int:
     spec = VARIANTS[args.child]
     out = Path(args.out) / args.child
     out.mkdir(parents=True, exist_ok=True)
-    from zoo.sampling_profiler import SamplingProfiler, compile_phase_times
+    from zoo.core.sampling_profiler import SamplingProfiler, compile_phase_times
 
     record: Dict[str, Any] = {"variant": args.child, "layers": args.layers, "method": args.method,
                               "env": spec.get("env", {}), "options": spec.get("options", {}),
@@ -134,10 +136,10 @@ def run_child(args) -> int:
         from torch._dynamo.utils import compilation_time_metrics
         from torch._inductor.utils import fresh_cache
 
-        from zoo import lowering
-        from zoo.aoti_runner import AotiRunner
-        from zoo.numerics import compare
-        from zoo.verify import run_in_delegate_order
+        from zoo.export.lower import lowering
+        from zoo.runtimes.aoti import AotiRunner
+        from zoo.core.numerics import compare
+        from zoo.export.verify import run_in_delegate_order
 
         patch_options = None
         if spec.get("options"):  # CudaBackend passes its options to aot_compile, over any outer config patch
@@ -233,7 +235,7 @@ def run_parent(args) -> int:
         if variant != "baseline" and base.exists() and mine.exists():
             import torch
 
-            from zoo.numerics import compare
+            from zoo.core.numerics import compare
 
             record["rel_l2_vs_baseline"] = compare("out0", torch.load(mine), torch.load(base)).rel_l2
         records.append(record)

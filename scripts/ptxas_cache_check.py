@@ -8,7 +8,7 @@ ExecuTorch CUDA backend's autotuning options (``max_autotune``, Triton-only GEMM
 with an empty cache directory and a warmed 8-process compile pool:
 
   inductor   Inductor as it is: the lowering process runs Triton's own ptxas, the pool's workers torch's
-  zoo        inside ``zoo.lowering.inductor_settings``: the lowering process runs the workers' ptxas too
+  zoo        inside ``zoo.export.lower.lowering.inductor_settings``: the lowering process runs the workers' ptxas too
 
 Triton's compile listener counts the lowering process's own compiles, found in Triton's cache or not, per
 thread. Inductor's phase timers give the template autotuning and precompiling time. The table ends the run;
@@ -40,7 +40,7 @@ def one_mode(mode: str) -> dict:
     from torch._inductor.async_compile import AsyncCompile
     from triton import knobs
 
-    from zoo.lowering import inductor_settings
+    from zoo.export.lower.lowering import inductor_settings
 
     compiles: dict = {}
 

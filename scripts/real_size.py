@@ -3,11 +3,11 @@
 lowered side by side with one constant table, assembled, audited, verified by zoo's own verification, benched,
 and the artifact's sizes set against the parameter bytes the methods use (issue 12).
 
-    python -m zoo.sampling_profiler --out OUT/profile.txt scripts/real_size.py --out OUT \\
+    python -m zoo.core.sampling_profiler --out OUT/profile.txt scripts/real_size.py --out OUT \\
         --recipe lingbot-va --methods video_step,action_step
     python scripts/real_size.py --out OUT --dry-run [...]    # the same path on lingbot-va-tiny, on the CPU
 
-Stages, each the pipeline's own step (``zoo.pipeline`` / ``zoo.gpu_steps``), recorded in OUT/run/report.json:
+Stages, each the pipeline's own step (``zoo.export.pipeline`` / ``zoo.export.stages``), recorded in OUT/run/report.json:
   build    the family's unit with parameters on meta, filled with seeded values in the unit's dtype
            (scripts/bench_real_size.py's builders: no LeRobot random init, no checkpoint read)
   export   torch.export of each method (kept in memory: at real size a saved program is ~10 GB a method)
@@ -59,12 +59,15 @@ for path in (ROOT, ROOT / "scripts"):
 import torch  # noqa: E402
 
 import bench_real_size  # noqa: E402  (the seeded builders and the bench candidates)
-from zoo import atomic, bench, gpu_steps, pipeline  # noqa: E402
-from zoo.lowering import CUDA_LOWERING, MethodLowering  # noqa: E402
-from zoo.lowering_workers import ENV_PROFILE_DIR, resolve_function  # noqa: E402
-from zoo.recipes import load_recipe  # noqa: E402
-from zoo.report import RunReport, format_table, record_failure  # noqa: E402
-from zoo.run_folder import RunFolder  # noqa: E402
+from zoo.core import atomic
+from zoo import bench
+from zoo.export import stages as gpu_steps
+from zoo.export import pipeline  # noqa: E402
+from zoo.export.lower.lowering import CUDA_LOWERING, MethodLowering  # noqa: E402
+from zoo.export.lower.workers import ENV_PROFILE_DIR, resolve_function  # noqa: E402
+from zoo.contract.recipes import load_recipe  # noqa: E402
+from zoo.core.report import RunReport, format_table, record_failure  # noqa: E402
+from zoo.contract.run_folder import RunFolder  # noqa: E402
 
 
 class Progress:
@@ -355,10 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="the tiny recipe (<recipe>-tiny) on the CPU (checks this script)")
     p.add_argument("--method-lowering", default=None, metavar="MODULE:FUNCTION",
-                   help="lower each method with this zoo.lowering_workers function instead of the CUDA lowering "
+                   help="lower each method with this zoo.export.lower.workers function instead of the CUDA lowering "
                         "(one that compiles for the CPU lets a dry run go on to assembly, audit and verification)")
     p.add_argument("--runner-factory", default=None, metavar="MODULE:NAME",
-                   help="the zoo.verify runner factory for such a lowering's .so files")
+                   help="the zoo.export.verify runner factory for such a lowering's .so files")
     p.add_argument("--lowering-path", action="append", default=[], metavar="DIR",
                    help="a folder the two above are imported from (repeatable)")
     return p
@@ -371,6 +374,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from zoo.cli import guarded
+    from zoo.cli.common import guarded
 
     sys.exit(guarded(main))

@@ -36,8 +36,9 @@ from torch import nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zoo import numerics, verify  # noqa: E402
-from zoo.report import format_table  # noqa: E402
+from zoo.core import numerics
+from zoo.export import verify  # noqa: E402
+from zoo.core.report import format_table  # noqa: E402
 
 CASES = (("as exported", 640, 1, False), ("rewritten", 640, 1, True), ("narrow", 128, 5, False),
          ("narrow rewritten", 128, 5, True))
@@ -50,16 +51,16 @@ class Attention(nn.Module):
 
 
 def _recipe():
-    from zoo.recipes import Lowering, Recipe, Source, Unit
+    from zoo.contract.recipes import Lowering, Recipe, Source, Unit
 
     return Recipe(name="triton-sdpa-check", family="llama", source=Source(repo_id="none/none"),
                   unit=Unit(methods=["forward"]), lowering=Lowering(triton_kernel_mode="ON", max_mm_configs=1))
 
 
 def one_case(label: str, width: int, heads: int, rewrite: bool, out: Path) -> dict:
-    from zoo.aoti_runner import AotiRunner
-    from zoo.lowering import lower_to_pte
-    from zoo.recipes import Tolerance
+    from zoo.runtimes.aoti import AotiRunner
+    from zoo.export.lower.lowering import lower_to_pte
+    from zoo.contract.recipes import Tolerance
     from zoo.rewrites import replace_triton_unsafe_sdpa_with_math
 
     g = torch.Generator().manual_seed(width)

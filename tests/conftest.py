@@ -6,7 +6,7 @@ huggingface_hub, which reads them at import; subprocesses inherit them).
 
 Also here: a toy policy family (``family: toy``; the ``toy_family`` fixture) so the pipeline, hub and CLI can be
 tested end to end without lerobot. It is found as ``zoo.policies.toy`` like a shipped family: tests/families
-(``toy.py``, ``toy_options.py``) is added to zoo.policies' search path below. It builds a tiny Meta-style
+(``toy/unit.py``, ``toy/options.py``) is added to zoo.policies' search path below. It builds a tiny Meta-style
 complex-rotary attention ("rope" kind) or a two-method unit sharing a mutable pool buffer written with
 ``index_copy_`` ("pool" kind, LingBot's KV-pool protocol in miniature).
 Its checkpoint has the real layout (config.json + model.safetensors + a processor file) and it loads
@@ -42,12 +42,12 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import zoo.policies  # noqa: E402
-from zoo.errors import PullError  # noqa: E402
+from zoo.core.errors import PullError  # noqa: E402
 from zoo.policies.base import ExportUnit, InputSpec, MethodSpec  # noqa: E402
 
 TEST_RECIPES = Path(__file__).resolve().parent / "recipes"
 TEST_FAMILIES = Path(__file__).resolve().parent / "families"
-# The toy family, by zoo's convention: zoo.policies.toy and zoo.policies.toy_options (tests/families).
+# The toy family, by zoo's convention: zoo.policies.toy.unit and zoo.policies.toy.options (tests/families/toy).
 zoo.policies.__path__.append(str(TEST_FAMILIES))
 TOY_MODEL_TYPE = "zoo_toy"
 
@@ -121,11 +121,11 @@ _threads_per_worker()
 @pytest.fixture(autouse=True)
 def zoo_logging_as_a_fresh_process_has_it():
     """Each test starts with the "zoo" logger as a fresh process has it, whichever tests its worker ran before:
-    a command's main (``zoo.progress.setup_logging``) takes it off the root logger, where ``caplog`` listens,
+    a command's main (``zoo.core.progress.setup_logging``) takes it off the root logger, where ``caplog`` listens,
     for the rest of the process."""
     import logging
 
-    from zoo import progress
+    from zoo.core import progress
 
     logger = logging.getLogger("zoo")
     saved = (list(logger.handlers), logger.level, logger.propagate, progress.setup_logging.__dict__.copy())
@@ -257,7 +257,7 @@ def toy_weight_shapes(config: Dict) -> Dict[str, tuple]:
 
 
 class ToyFamily:
-    """The toy family's two functions (tests/families/toy.py makes them zoo.policies.toy's)."""
+    """The toy family's two functions (tests/families/toy/unit.py makes them zoo.policies.toy.unit.s)."""
 
     @staticmethod
     def fabricate_checkpoint(recipe, work_dir: Path) -> Dict[str, Path]:
@@ -282,7 +282,7 @@ class ToyFamily:
 
     @staticmethod
     def check_recipe(recipe) -> None:
-        from zoo.errors import RecipeError
+        from zoo.core.errors import RecipeError
 
         methods = ["forward"] if recipe.unit.options.kind == "rope" else ["write", "read"]
         if list(recipe.unit.methods) != methods:
@@ -347,7 +347,7 @@ def toy_family():
 @pytest.fixture
 def test_recipe():
     """Load a recipe from tests/recipes by name, with overrides."""
-    from zoo.recipes import load_recipe
+    from zoo.contract.recipes import load_recipe
 
     def load(name: str, *overrides: str):
         return load_recipe(name, overrides, recipes_dir=TEST_RECIPES)

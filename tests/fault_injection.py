@@ -5,7 +5,7 @@ and whether the earlier run is byte for byte as it was.
 Faults are injected by this wrapper, never by hooks in zoo:
   - SIGINT / SIGKILL at a stage: ``timed_stage`` is wrapped in the modules that use it; when the stage named by
     the case starts (its start line is printed), the child signals itself.
-  - ENOSPC at a stage: from that stage's start on, zoo's atomic writer (``zoo.atomic.atomic_path``) raises
+  - ENOSPC at a stage: from that stage's start on, zoo's atomic writer (``zoo.core.atomic.atomic_path``) raises
     ``OSError(ENOSPC)``, as a full disk would (it stays full).
   - a damaged file: the copy of the run (or a checkpoint) is truncated or has bytes flipped before the command.
 Publishing has no stage recorder: its "stage" hook is the first file it places into ``publish/``.
@@ -42,18 +42,18 @@ import pytest
 import torch
 
 import conftest  # noqa: F401  (the toy family and the offline sandbox, also in the forked children)
-import zoo.atomic
-import zoo.export
-import zoo.gpu_steps
-import zoo.lower
-import zoo.lowering
-import zoo.pipeline
-import zoo.publish
-import zoo.publishing
-import zoo.report
-import zoo.verify
+import zoo.core.atomic
+import zoo.cli.export
+import zoo.export.stages
+import zoo.cli.lower
+import zoo.export.lower.lowering
+import zoo.export.pipeline
+import zoo.cli.publish
+import zoo.export.publish.upload
+import zoo.core.report
+import zoo.export.verify
 from zoo.__main__ import main as zoo_main
-from zoo.run_folder import ATTEMPTS_DIR, RunFolder
+from zoo.contract.run_folder import ATTEMPTS_DIR, RunFolder
 
 TESTS = Path(__file__).resolve().parent
 TOY_RECIPE = TESTS / "recipes" / "toy-rope.yaml"
@@ -195,8 +195,8 @@ def argv(case: Case, run: Path, extra: List[str]) -> List[str]:
 def install_fake_gpu(patch) -> None:
     """Only the GPU parts faked: AOTInductor's compile (fake_cuda) and loading the .so (ShippedProgram)."""
     fake_cuda.FakeCudaCompile({}).install(patch)
-    patch.setattr(zoo.verify, "aoti_runner_factory", ShippedProgram)
-    patch.setattr(zoo.verify, "_default_device", lambda: "cpu")
+    patch.setattr(zoo.export.verify, "aoti_runner_factory", ShippedProgram)
+    patch.setattr(zoo.export.verify, "_default_device", lambda: "cpu")
 
 
 class ShippedProgram:
@@ -232,7 +232,7 @@ def _inject(fault: str) -> None:
         time.sleep(30)  # the signal lands here (SIGINT raises KeyboardInterrupt out of the sleep)
         raise AssertionError(f"{fault} did not stop the process")
     if fault == "ENOSPC":
-        zoo.atomic.atomic_path = _disk_full
+        zoo.core.atomic.atomic_path = _disk_full
 
 
 @contextlib.contextmanager
@@ -244,7 +244,7 @@ def _disk_full(target):
 
 def _hook_stages(stage: str, fault: str) -> None:
     """Wrap the stage recorder where zoo's modules use it: the fault hits once the stage has started."""
-    real = zoo.report.timed_stage
+    real = zoo.core.report.timed_stage
 
     @contextlib.contextmanager
     def timed_stage(report, name, label):
@@ -258,18 +258,18 @@ def _hook_stages(stage: str, fault: str) -> None:
             module.timed_stage = timed_stage
     if stage == "preflight":
         # Where a GPU lowers, the kernel preflight runs inside each method's lowering, on its edge program
-        # (zoo.lowering.lower_with_partitioner), under the "lower" stage: the fault hits when it starts.
-        preflight = zoo.lowering.require_kernels
+        # (zoo.export.lower.lowering.lower_with_partitioner), under the "lower" stage: the fault hits when it starts.
+        preflight = zoo.export.lower.lowering.require_kernels
 
         def require_kernels(*args, **kwargs):
             _inject(fault)
             return preflight(*args, **kwargs)
 
-        zoo.lowering.require_kernels = require_kernels
+        zoo.export.lower.lowering.require_kernels = require_kernels
 
 
 def _hook_publish(fault: str) -> None:
-    real = zoo.publishing._place
+    real = zoo.export.publish.upload._place
     state = {"first": True}
 
     def place(src, dst):
@@ -277,7 +277,7 @@ def _hook_publish(fault: str) -> None:
             _inject(fault)
         return real(src, dst)
 
-    zoo.publishing._place = place
+    zoo.export.publish.upload._place = place
 
 
 def child(case: Dict, run: str, extra: List[str], out: str, err: str, pythonpath: Optional[str]) -> None:
@@ -400,7 +400,7 @@ def _failed_at(run: Path, outcome: Outcome) -> str:
 
 def markdown_table(rows: List[List[str]]) -> str:
     """The table of outcomes' rows (``Outcome.row``)."""
-    from zoo.report import markdown_table as table
+    from zoo.core.report import markdown_table as table
 
     header = ["command", "stage", "fault", "exit", "failed at", "message", "earlier run intact"]
     return table([header] + rows)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zoo import pipeline
-from zoo.report import RunReport
-from zoo.run_folder import RunFolder
+from zoo.export import pipeline
+from zoo.core.report import RunReport
+from zoo.contract.run_folder import RunFolder
 
 
 def export_run(recipe, run_dir: Path) -> Path:

@@ -1,4 +1,4 @@
-"""zoo.assemble: single-method ExecuTorch programs merged into one, checked against the program ExecuTorch writes
+"""zoo.export.lower.assemble: single-method ExecuTorch programs merged into one, checked against the program ExecuTorch writes
 for all methods at once (byte for byte) and against eager PyTorch through ExecuTorch's own runtime (pybindings)."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from zoo import artifact, assemble
-from zoo.artifact import DataEntry, ensure_flatc
-from zoo.assemble import ProgramPart
-from zoo.errors import LoweringError
+from zoo.contract import artifact
+from zoo.export.lower import assemble
+from zoo.contract.artifact import DataEntry, ensure_flatc
+from zoo.export.lower.assemble import ProgramPart
+from zoo.core.errors import LoweringError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from portable_lowering import lower_program  # noqa: E402

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from zoo import audit
-from zoo.errors import LoweringError
-from zoo.runtimes import load_runtimes
+from zoo.export import audit
+from zoo.core.errors import LoweringError
+from zoo.contract.releases import load_runtimes
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "so"
 # What every fixture's C source references as undefined aoti_torch_* functions (see aoti_needs.c).

@@ -30,7 +30,7 @@ from zoo.bench import (
     percentile,
 )
 from zoo.bench.rotary import ComplexRope, RotaryCase, angle_table, bench_case, parse_case, rewritten_rope, rope_bytes
-from zoo.errors import NoGpuError, ZooError
+from zoo.core.errors import NoGpuError, ZooError
 from zoo.rewrites.complex_to_real import replace_complex_with_real
 from zoo.policies.base import InputSpec
 
@@ -499,7 +499,7 @@ def test_real_size_units_parse_sizes_and_methods(real_size_script):
 
 def test_a_tiny_or_cpu_chunk_timing_is_refused_for_zoos_own_table(tmp_path):
     # Model cards quote zoo/data/chunk_latency.json: a tiny recipe's timing must not land there.
-    from zoo.chunk_latency import MEASURED_JSON
+    from zoo.contract.chunk_latency import MEASURED_JSON
 
     before = MEASURED_JSON.read_bytes() if MEASURED_JSON.exists() else None
     script = Path(__file__).resolve().parent.parent / "scripts" / "bench_chunk.py"
@@ -569,7 +569,7 @@ def test_rotary_on_gpu_compiled_pairs_agree_and_report_a_fraction():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_bench_of_a_lowered_tiny_run_times_the_artifact(run_folder, tmp_path, test_recipe):
-    from zoo.lowering import lower_to_pte
+    from zoo.export.lower.lowering import lower_to_pte
 
     run_dir = tmp_path / "run"
     shutil.copytree(run_folder, run_dir)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zoo.bundle import build_bundle, leave_out, parse_have, platform_tags, ResolvedPackage, BundleError
+from zoo.cli.bundle import build_bundle, leave_out, parse_have, platform_tags, ResolvedPackage, BundleError
 
 
 def make_wheel(folder: Path, name: str, version: str, requires=()) -> Path:
@@ -121,10 +121,10 @@ def test_platform_tags_cover_older_glibc_and_legacy_aliases():
 def test_bundle_hub_cache_loads_offline_through_the_real_pull(local_index, tmp_path):
     """A bundle with llama-rope-tiny's checkpoint: its cache is huggingface_hub's layout, the manifest lists
     each file with its hash, and with HF_HUB_OFFLINE=1 the real pull code finds the checkpoint there."""
-    from zoo import hub
-    from zoo.hub_cache import hub_environment
-    from zoo.policies import llama
-    from zoo.recipes import load_recipe
+    from zoo.export import pull as hub
+    from zoo.export.hub_cache import hub_environment
+    from zoo.policies.llama.unit import unit as llama
+    from zoo.contract.recipes import load_recipe
 
     out = tmp_path / "bundle"
     manifest = build_bundle(out, recipes=["llama-rope-tiny"], python="3.12", weights=True,
@@ -147,7 +147,7 @@ def test_bundle_hub_cache_loads_offline_through_the_real_pull(local_index, tmp_p
     assert checkpoint.path == repo / "snapshots" / entry["commit"]
     assert list(unit.methods) == ["forward"]
     # ...and the same pull against an empty cache is refused, naming the repo and what to do.
-    from zoo.errors import PullError
+    from zoo.core.errors import PullError
 
     with hub_environment(tmp_path / "empty-cache", offline=True), pytest.raises(PullError, match="llama-rope-tiny"):
         hub.pull(recipe)
@@ -158,7 +158,7 @@ def test_tiny_recipes_hub_cache_leaves_room_for_the_wheels_under_60_mb(tmp_path)
     wheels the lent H200 image needs, the bundle stays under the 60 MB the offline issue asks for."""
     from safetensors import safe_open
 
-    from zoo.bundle import add_checkpoints
+    from zoo.cli.bundle import add_checkpoints
 
     hub_dir = tmp_path / "hub"
     entries = add_checkpoints(["llama-rope-tiny", "lingbot-va-tiny", "fast-wam-tiny"], hub_dir)

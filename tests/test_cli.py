@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import zoo.__main__ as zoo_main
-from zoo import export as zoo_export
-from zoo import pipeline
-from zoo.recipes import load_recipe, recipe_names
+from zoo.cli import export as zoo_export
+from zoo.export import pipeline
+from zoo.contract.recipes import load_recipe, recipe_names
 
 from conftest import TEST_RECIPES
 
@@ -140,7 +140,7 @@ def test_ctrl_c_exits_130_and_leaves_no_half_written_files(tmp_path, capsys, toy
 
 def test_unknown_method_is_refused_before_anything_is_fabricated_or_written(tmp_path, capsys, toy_family,
                                                                           monkeypatch):
-    from zoo import tiny_hub
+    from zoo.export import tiny_hub
 
     run = tmp_path / "run"
     run.mkdir()
@@ -159,7 +159,7 @@ def test_export_toy_recipe_prints_summary(tmp_path, capsys, toy_family):
     out = capsys.readouterr().out
     assert re.search(r"^cpu_check\s+done", out, re.M) and re.search(r"^lower\s+skipped", out, re.M)
     assert f"run folder: {run.resolve()}  (done)" in out
-    assert f"python -m zoo.lower {run.resolve()}" in out
+    assert f"python -m zoo lower {run.resolve()}" in out
     assert "seeds:\n  - 5" in (run / "recipe.yaml").read_text()  # the resolved recipe, override applied
 
 
@@ -190,7 +190,7 @@ def test_llama_rope_tiny_end_to_end(llama_tiny_readme_run):
     # The README's main job, run once for the session as the README writes it (conftest.llama_tiny_readme_run).
     proc, run = llama_tiny_readme_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"^cpu_check\s+done", proc.stdout, re.M) and f"python -m zoo.lower {run.resolve()}" in proc.stdout
+    assert re.search(r"^cpu_check\s+done", proc.stdout, re.M) and f"python -m zoo lower {run.resolve()}" in proc.stdout
     data = check_finished_run(run, ["forward"])
     # No action loop, no policy to check: said on the CPU and for the GPU.
     assert data["policy_check"]["cpu"]["status"] == data["policy_check"]["gpu"]["status"] == "not applicable"
@@ -231,7 +231,7 @@ def test_policy_tiny_recipes_end_to_end(tmp_path, recipe):
 @pytest.fixture(scope="module")
 def llama_checkpoint(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
-    from zoo.policies import llama
+    from zoo.policies.llama.unit import unit as llama
 
     recipe = load_recipe("llama-rope-tiny")
     repos = llama.fabricate_checkpoint(recipe, tmp_path_factory.mktemp("llama"))

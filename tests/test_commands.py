@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 import zoo.__main__ as zoo_main
-from zoo import doctor
-from zoo.recipes import load_recipe, recipe_names
-from zoo.report import RunReport
-from zoo.run_folder import RunFolder
+from zoo.cli import doctor
+from zoo.contract.recipes import load_recipe, recipe_names
+from zoo.core.report import RunReport
+from zoo.contract.run_folder import RunFolder
 
 COMMANDS = ["export", "lower", "audit", "publish", "bench", "bundle", "doctor", "prompt", "act"]
 
@@ -101,7 +101,7 @@ def report_of(status: str, **sections) -> RunReport:
 
 
 def test_report_md_of_a_finished_cpu_run_starts_with_status_skipped_and_next():
-    report = report_of("done", next={"command": "python -m zoo.lower /runs/toy", "why": "on a GPU machine"},
+    report = report_of("done", next={"command": "python -m zoo lower /runs/toy", "why": "on a GPU machine"},
                        cpu_check={"compared": 2, "failed": 0, "rule": "float32: rel L2 vs eager <= 1e-05",
                                   "cases": [{"seed": 0, "sizes": {}, "comparisons": [
                                       {"name": "forward.y", "rel_l2": 2e-7, "max_abs": 1e-6, "cosine": 1.0,
@@ -114,7 +114,7 @@ def test_report_md_of_a_finished_cpu_run_starts_with_status_skipped_and_next():
     assert lines[:7] == ["# zoo run: toy", "", "**Status: done**", "",
                          "- ran: pull, export (3.2 s)",
                          "- skipped: lower, verify: needs a CUDA GPU; this machine has none",
-                         "- next: `python -m zoo.lower /runs/toy` (on a GPU machine)"]
+                         "- next: `python -m zoo lower /runs/toy` (on a GPU machine)"]
     md = "\n".join(lines)
     assert "| forward.y | 2 | 3.000e-07 | 2.000e-06 | 0.999000 | ok |" in md  # the worst case of each output
     assert "{" not in md and "```json" not in md  # no JSON dump: report.json keeps everything

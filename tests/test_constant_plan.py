@@ -1,4 +1,4 @@
-"""zoo.constant_plan: with one constant table for every method, two methods lowered apart by ExecuTorch's AOTI
+"""zoo.export.lower.constant_plan: with one constant table for every method, two methods lowered apart by ExecuTorch's AOTI
 backend get byte-identical weight blobs, and the assembled .ptd holds the shared weights once.
 
 The compile test lowers through AotiBackend.preprocess with the device set to the CPU
@@ -14,9 +14,11 @@ import pytest
 import torch
 from torch import nn
 
-from zoo import artifact, constant_plan, lowering_workers
-from zoo.aoti_runner import promote_libtorch_global
-from zoo.errors import LoweringError
+from zoo.contract import artifact
+from zoo.export.lower import constant_plan
+from zoo.export.lower import workers as lowering_workers
+from zoo.runtimes.aoti import promote_libtorch_global
+from zoo.core.errors import LoweringError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))

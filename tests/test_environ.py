@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from zoo.environ import environ_restored
+from zoo.core.environ import environ_restored
 
 
 def test_variables_set_changed_or_removed_in_the_block_are_put_back_even_on_error(monkeypatch):

@@ -1,4 +1,4 @@
-"""The Python side of the ExecuTorch C++ runtime backend (zoo/et_runtime.py, zoo/verify_backends.py), on the CPU.
+"""The Python side of the ExecuTorch C++ runtime backend (zoo/runtimes/executorch.py, zoo/export/verify_runtimes.py), on the CPU.
 
 A fake zoo_runner (tests/fixtures/fake_zoo_runner.py: the runner's command line and file format, executing the
 run folder's exported programs eagerly) stands in for the built binary. The reference is always the eager
@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from zoo import et_runtime
-from zoo.errors import RecipeError, RuntimeCallFailed, RuntimeNotBuilt
-from zoo.verify_backends import executorch_caller, select_runtimes
+from zoo.contract.releases import executorch as et_runtime
+from zoo.core.errors import RecipeError, RuntimeCallFailed, RuntimeNotBuilt
+from zoo.export.verify_runtimes import executorch_caller, select_runtimes
 from pool_modules import PoolWrite  # noqa: E402
 
 

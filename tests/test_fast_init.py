@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_model, save_file, save_model
 from torch import nn
 
-from zoo.errors import ExportError
+from zoo.core.errors import ExportError
 from zoo.policies import fast_init
 
 

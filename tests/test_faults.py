@@ -13,8 +13,8 @@ import shutil
 import pytest
 
 import fault_injection as fi
-from zoo.run_folder import RunFolder
-from zoo.atomic import remove_dead_leftovers
+from zoo.contract.run_folder import RunFolder
+from zoo.core.atomic import remove_dead_leftovers
 
 from conftest import TEST_RECIPES, ToyFamily
 
@@ -29,7 +29,7 @@ def good(tmp_path_factory):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """The toy recipe's checkpoint as a local folder (the pull case truncates a copy of its weights)."""
-    from zoo.recipes import load_recipe
+    from zoo.contract.recipes import load_recipe
 
     recipe = load_recipe("toy-rope", recipes_dir=TEST_RECIPES)
     return ToyFamily.fabricate_checkpoint(recipe, tmp_path_factory.mktemp("ckpt"))[recipe.source.repo_id]

@@ -13,9 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from zoo import hub, tiny_hub
-from zoo.errors import PullError
-from zoo.hub_cache import folder_commit, hub_environment, put_in_cache, repo_folder
+from zoo.export import pull as hub
+from zoo.export import tiny_hub
+from zoo.core.errors import PullError
+from zoo.export.hub_cache import folder_commit, hub_environment, put_in_cache, repo_folder
 
 
 def recipe_for(repo_id="org/model", revision="main", local_dir=None, allow_patterns=()):
@@ -229,7 +230,7 @@ def test_fabricated_hub_is_offline_and_restores(toy_family, test_recipe, tmp_pat
 
 def test_fabricate_must_return_the_recipes_repo(test_recipe, tmp_path, monkeypatch):
     import zoo.policies
-    from zoo.errors import ExportError
+    from zoo.core.errors import ExportError
 
     family = SimpleNamespace(fabricate_checkpoint=lambda recipe, work: {"other/repo": checkpoint_folder(work / "x")})
     monkeypatch.setattr(zoo.policies, "load_family", lambda name: family)

@@ -21,27 +21,27 @@ ZOO = ROOT / "zoo"
 # Entries marked "pending: <branch>" belong to modules another branch is restructuring; the coordinator removes
 # them once that branch is merged (the test fails on an entry that no longer matches any import).
 ALLOWED_IN_FUNCTIONS: Dict[Tuple[str, str], str] = {
-    ("zoo.recipes", "zoo.rewrites"): "pending: recipe validation of rewrite names (zoo.rewrites imports nothing "
+    ("zoo.contract.recipes", "zoo.rewrites"): "pending: recipe validation of rewrite names (zoo.rewrites imports nothing "
                                      "of the recipes, so this can move to the top)",
 }
 
 # The layers of the modules this order is about; an import may go to the same layer or a lower one. Modules
 # not listed (the families, the rewrites, the bench) are held to the first two rules only.
 LAYERS: Dict[str, int] = {
-    **dict.fromkeys(["zoo", "zoo.errors", "zoo.atomic", "zoo.report", "zoo.progress", "zoo.environ",
-                     "zoo.numerics", "zoo.sampling_profiler"], 0),
-    **dict.fromkeys(["zoo.run_folder", "zoo.artifact", "zoo.assemble", "zoo.runtimes", "zoo.tensor_file",
-                     "zoo.chunk_latency"], 1),
-    **dict.fromkeys(["zoo.hub", "zoo.hub_cache", "zoo.tiny_hub", "zoo.exporting", "zoo.cpu_check", "zoo.preflight",
-                     "zoo.lowering", "zoo.lowering_workers", "zoo.constant_plan", "zoo.audit", "zoo.verify",
-                     "zoo.aoti_runner", "zoo.et_runtime", "zoo.verify_backends", "zoo.runtime_check", "zoo.manifest",
-                     "zoo.model_card", "zoo.publishing", "zoo.gpu_steps",
-                     "zoo.policy_check", "zoo.runner", "zoo.runner.base", "zoo.runner.backends", "zoo.runner.check",
+    **dict.fromkeys(["zoo", "zoo.core.errors", "zoo.core.atomic", "zoo.core.report", "zoo.core.progress", "zoo.core.environ",
+                     "zoo.core.numerics", "zoo.core.sampling_profiler"], 0),
+    **dict.fromkeys(["zoo.contract.run_folder", "zoo.contract.artifact", "zoo.export.lower.assemble", "zoo.contract.releases", "zoo.contract.tensor_file",
+                     "zoo.contract.chunk_latency"], 1),
+    **dict.fromkeys(["zoo.export.pull", "zoo.export.hub_cache", "zoo.export.tiny_hub", "zoo.export.trace", "zoo.export.cpu_check", "zoo.export.lower.preflight",
+                     "zoo.export.lower.lowering", "zoo.export.lower.workers", "zoo.export.lower.constant_plan", "zoo.export.audit", "zoo.export.verify",
+                     "zoo.runtimes.aoti", "zoo.runtimes.executorch", "zoo.export.verify_runtimes", "zoo.export.runtime_sequence", "zoo.export.publish.manifest",
+                     "zoo.export.publish.model_card", "zoo.export.publish.upload", "zoo.export.stages",
+                     "zoo.export.policy_check", "zoo.runner", "zoo.runner.base", "zoo.runner.backends", "zoo.runner.check",
                      "zoo.runner.fast_wam", "zoo.runner.lingbot_va", "zoo.runner.loading", "zoo.runner.observations",
                      "zoo.runner.processors", "zoo.runner.prompt"], 2),
-    "zoo.pipeline": 3,
-    **dict.fromkeys(["zoo.export", "zoo.lower", "zoo.publish", "zoo.__main__", "zoo.cli", "zoo.doctor",
-                     "zoo.bundle", "zoo.deploy"], 4),
+    "zoo.export.pipeline": 3,
+    **dict.fromkeys(["zoo.export", "zoo.lower", "zoo.publish", "zoo.__main__", "zoo.cli", "zoo.cli.doctor",
+                     "zoo.cli.bundle", "zoo.cli.deploy"], 4),
 }
 LAYER_NAMES = ("errors/atomic/report", "run_folder/artifact/runtimes", "steps", "pipeline", "command lines")
 
@@ -231,8 +231,8 @@ def test_the_checker_finds_a_circle_behind_a_function_level_import(tmp_path):
 def test_the_checker_resolves_relative_and_function_level_imports(tmp_path):
     source = tmp_path / "mod.py"
     source.write_text("from . import atomic\nfrom .errors import ZooError\n"
-                      "def f():\n    from .rewrites import result\n    import zoo.report\n")
+                      "def f():\n    from .rewrites import result\n    import zoo.core.report\n")
     modules = zoo_modules()
     found = imports_of("zoo.mod", source, modules)
     assert [(i.imported, i.in_function) for i in found] == [
-        ("zoo.atomic", False), ("zoo.errors", False), ("zoo.rewrites.result", True), ("zoo.report", True)]
+        ("zoo.core.atomic", False), ("zoo.core.errors", False), ("zoo.rewrites.result", True), ("zoo.core.report", True)]

@@ -15,11 +15,12 @@ import pytest
 import torch
 from torch import nn
 
-import zoo.lowering as lowering
-from zoo import artifact, audit
-from zoo.errors import KernelPreflightRefused, LoweringError, NoGpuError
-from zoo.recipes import Lowering, Recipe, Source, Unit
-from zoo.run_folder import RunFolder
+import zoo.export.lower.lowering as lowering
+from zoo.contract import artifact
+from zoo.export import audit
+from zoo.core.errors import KernelPreflightRefused, LoweringError, NoGpuError
+from zoo.contract.recipes import Lowering, Recipe, Source, Unit
+from zoo.contract.run_folder import RunFolder
 
 from conftest import ToyPermuted
 
@@ -183,7 +184,7 @@ def test_preflight_runs_on_the_edge_program_the_lowering_makes(tmp_path, monkeyp
     # One edge step per method: the preflight judges the edge program the backend then gets, and makes none.
     import executorch.exir.program._program as et_program
 
-    from zoo import preflight
+    from zoo.export.lower import preflight
 
     fake_cuda.FakeCudaCompile({}).install(monkeypatch)
     made, judged = [], []
@@ -296,8 +297,8 @@ def test_reading_a_foreign_file_is_a_zoo_error(tmp_path):
 
 
 def test_a_refusal_is_the_preflight_stage_and_nothing_is_compiled(tmp_path, monkeypatch):
-    from zoo import gpu_steps
-    from zoo.report import RunReport
+    from zoo.export import stages as gpu_steps
+    from zoo.core.report import RunReport
 
     fake = fake_cuda.FakeCudaCompile({})
     fake.install(monkeypatch)
@@ -312,7 +313,7 @@ def test_a_refusal_is_the_preflight_stage_and_nothing_is_compiled(tmp_path, monk
 
 
 def test_the_shared_plan_is_used_only_where_it_costs_little_gpu_memory():
-    from zoo.constant_plan import plan_constants
+    from zoo.export.lower.constant_plan import plan_constants
 
     class Two(nn.Module):
         """Two heads of a trunk: ``big`` shares the trunk, ``apart`` reads only its own weights."""
@@ -352,7 +353,7 @@ def test_methods_that_read_the_same_weights_share_a_table_and_the_others_keep_th
     # LingBot-VA's chunk layout: two transformer steps read the same trunk; two encodes read an encoder of their
     # own, exported from another module. One table for all four would not pay (each .so would carry both), so
     # before grouping no weight was shared at all, the trunk included.
-    from zoo.constant_plan import plan_constants, read_constants, sharing_groups
+    from zoo.export.lower.constant_plan import plan_constants, read_constants, sharing_groups
 
     trunk, encoder = nn.Linear(64, 64), nn.Linear(16, 16)
     heads = nn.ModuleDict({"video": nn.Linear(64, 2), "action": nn.Linear(64, 2)})

@@ -1,5 +1,5 @@
 """The lowering's orchestration on the CPU, through the same code path as the CUDA lowering
-(``zoo.lowering.lower_to_pte``): the shared constant plan, methods lowered side by side in worker processes
+(``zoo.export.lower.lowering.lower_to_pte``): the shared constant plan, methods lowered side by side in worker processes
 (or one after another in this process), assembled into one model.pte + aoti_cuda_blob.ptd, each method's .so
 and weights extracted to so/, then zoo's own verification of the artifact against eager.
 
@@ -22,9 +22,12 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from zoo import artifact, audit, lowering, verify
+from zoo.contract import artifact
+from zoo.export import audit
+from zoo.export.lower import lowering
+from zoo.export import verify
 from zoo.policies.base import InputSpec
-from zoo.run_folder import RunFolder
+from zoo.contract.run_folder import RunFolder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fixtures"))
 from aoti_cpu_probe import PROBE_LOWERING, CpuRunner  # noqa: E402

@@ -1,4 +1,4 @@
-"""zoo.lowering_workers: methods lowered in separate worker processes (side by side) and assembled give the
+"""zoo.export.lower.workers: methods lowered in separate worker processes (side by side) and assembled give the
 outputs of the sequential program and of eager PyTorch; a worker's failure fails the lowering with its method's
 error. The injected lowering is ExecuTorch's portable flow (tests/fixtures/portable_lowering.py)."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoo import lowering_workers as workers
-from zoo.errors import LoweringError, StorageError
-from zoo.lowering_workers import MethodJob
+from zoo.export.lower import workers
+from zoo.core.errors import LoweringError, StorageError
+from zoo.export.lower.workers import MethodJob
 
 from test_assemble import CALLS, eager_calls, programs, run_calls, write
 
@@ -98,7 +98,7 @@ def test_progress_names_each_method_and_each_worker_has_its_log(parallel):
 
 
 class RecordingBar:
-    """Stands in for zoo.progress.Progress: what the bar was told, in order."""
+    """Stands in for zoo.core.progress.Progress: what the bar was told, in order."""
 
     def __init__(self):
         self.calls = []
@@ -248,7 +248,7 @@ def test_a_worker_ends_when_its_parent_is_killed(tmp_path):
     rendezvous.mkdir()
     parent = subprocess.Popen([sys.executable, "-c", f"""
 from pathlib import Path
-from zoo import lowering_workers as w
+from zoo.export.lower import workers as w
 job = w.MethodJob(method={job.method!r}, program=Path({str(job.program)!r}),
                   options={{"rendezvous": {str(rendezvous)!r}, "rendezvous_with": ["never"], "rendezvous_s": 600}})
 w.lower_in_workers([job], {FUNCTION!r}, Path({str(tmp_path / 'work')!r}), max_workers=1, env={ENV!r},

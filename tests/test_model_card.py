@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from zoo import chunk_latency
-from zoo.model_card import audit_rows, card_metadata, render_card, resolve_license, runtime_ref
+from zoo.contract import chunk_latency
+from zoo.export.publish.model_card import audit_rows, card_metadata, render_card, resolve_license, runtime_ref
 
 
 def checkpoint(tmp_path, header: str):
@@ -266,7 +266,7 @@ def test_a_llama_card_has_no_policy_to_check_and_no_runner():
     assert "zoo.runner.load" not in card
 
 
-# --- the chunk latency the card quotes (zoo.chunk_latency) ------------------------------------------------------
+# --- the chunk latency the card quotes (zoo.contract.chunk_latency) ------------------------------------------------------
 
 
 BENCH_RECORD = {  # one policy of scripts/bench_chunk.py's results, as it writes them

@@ -1,4 +1,4 @@
-"""zoo.numerics.compare: the metrics every check rests on, against hand-worked values and numpy float64, whatever
+"""zoo.core.numerics.compare: the metrics every check rests on, against hand-worked values and numpy float64, whatever
 the piece size it sums over."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from zoo.numerics import PIECE, compare
+from zoo.core.numerics import PIECE, compare
 
 PIECES = [1, 2, 7, PIECE]
 

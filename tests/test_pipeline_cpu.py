@@ -15,10 +15,11 @@ import pytest
 
 import torch
 
-from zoo import exporting, pipeline
-from zoo.cpu_check import BufferState, _judge, check_cases, cpu_check
-from zoo.errors import LoweringError, RewriteDeclined, VerificationFailed, ZooError
-from zoo.recipes import Tolerance
+from zoo.export import trace as exporting
+from zoo.export import pipeline
+from zoo.export.cpu_check import BufferState, _judge, check_cases, cpu_check
+from zoo.core.errors import LoweringError, RewriteDeclined, VerificationFailed, ZooError
+from zoo.contract.recipes import Tolerance
 
 from conftest import ToyFamily, ToyPool, ToyRead, ToyRope, ToyWrite
 
@@ -61,7 +62,7 @@ def test_check_cases(test_recipe):
 
 @pytest.fixture(scope="module")
 def rope_unit(tmp_path_factory):
-    from zoo.recipes import load_recipe
+    from zoo.contract.recipes import load_recipe
     from conftest import TEST_RECIPES
 
     recipe = load_recipe("toy-rope", recipes_dir=TEST_RECIPES)
@@ -85,7 +86,7 @@ def test_export_keeps_the_dynamic_range(rope_unit):
 
 
 def test_export_refuses_methods_the_family_did_not_build(rope_unit, test_recipe):
-    from zoo.errors import ExportError
+    from zoo.core.errors import ExportError
 
     _, unit, _ = rope_unit
     with pytest.raises(ExportError, match=r"built methods \['forward'\] but the recipe names \['forward', 'extra'\]"):
@@ -168,7 +169,7 @@ def test_cpu_check_stateful_unit_compares_and_restores_state(pool_unit):
 
 def test_cpu_check_stateful_sequence_matches_a_hand_run(pool_unit):
     # Independent reference: run the two methods by hand on a fresh pool with the same inputs.
-    from zoo.cpu_check import draw_inputs
+    from zoo.export.cpu_check import draw_inputs
 
     recipe, unit, _ = pool_unit
     core = unit.methods["write"].module.core
@@ -253,7 +254,7 @@ def test_kernel_preflight_runs_without_a_gpu_and_fails_the_run_early(test_recipe
 
 def test_run_folder_of_a_tiny_recipe(test_recipe, toy_family, tmp_path, monkeypatch):
     pytest.importorskip("zoo.rewrites.complex_to_real")
-    # This Python is the `python` on PATH (an activated venv): the next command says `python -m zoo.lower`.
+    # This Python is the `python` on PATH (an activated venv): the next command says `python -m zoo lower`.
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     # load_aux: the toy policy loads a second repo by Hub id while it is built, served from the tiny cache.
     recipe = test_recipe("toy-rope", "unit.options.load_aux=true")
@@ -275,8 +276,8 @@ def test_run_folder_of_a_tiny_recipe(test_recipe, toy_family, tmp_path, monkeypa
     assert data["policy_check"] == {place: {"status": "not applicable", "reason": data["policy_check"][place]["reason"]}
                                     for place in ("cpu", "gpu")}
     assert data["policy_check"]["cpu"]["reason"].startswith("not applicable: toy has no action loop")
-    assert data["skipped"]["later"] == f"python -m zoo.lower {run.resolve()}"
-    assert data["next"]["command"] == f"python -m zoo.lower {run.resolve()}"
+    assert data["skipped"]["later"] == f"python -m zoo lower {run.resolve()}"
+    assert data["next"]["command"] == f"python -m zoo lower {run.resolve()}"
     assert data["cpu_check"]["passed"] and data["cpu_check"]["compared"] == 8
 
     source = json.loads((run / "source.json").read_text())
@@ -430,13 +431,13 @@ def test_stale_staging_of_a_dead_run_is_removed(test_recipe, toy_family, tmp_pat
 
 
 def fake_gpu(monkeypatch, run_gpu_steps):
-    """A CUDA machine as far as the pipeline can tell, with zoo.gpu_steps.run_gpu_steps replaced by
+    """A CUDA machine as far as the pipeline can tell, with zoo.export.stages.run_gpu_steps replaced by
     ``run_gpu_steps``."""
-    import zoo.gpu_steps
+    import zoo.export.stages
 
     monkeypatch.setattr(pipeline.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(pipeline.torch.cuda, "get_device_name", lambda *a: "test GPU")
-    monkeypatch.setattr(zoo.gpu_steps, "run_gpu_steps", run_gpu_steps)
+    monkeypatch.setattr(zoo.export.stages, "run_gpu_steps", run_gpu_steps)
 
 
 def test_gpu_steps_continue_the_same_report(test_recipe, toy_family, tmp_path, monkeypatch):

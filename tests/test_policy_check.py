@@ -1,12 +1,12 @@
-"""zoo.policy_check's choice of where the check runs: a bf16 unit's CPU check is skipped with the reason, and
+"""zoo.export.policy_check's choice of where the check runs: a bf16 unit's CPU check is skipped with the reason, and
 the run's report and model card say so (no lerobot needed: nothing is built)."""
 
 from __future__ import annotations
 
-from zoo.model_card import render_card
-from zoo.policy_check import policy_check_step, why_skipped
-from zoo.recipes import load_recipe
-from zoo.report import RunReport
+from zoo.export.publish.model_card import render_card
+from zoo.export.policy_check import policy_check_step, why_skipped
+from zoo.contract.recipes import load_recipe
+from zoo.core.report import RunReport
 
 BF16_REASON = ("the CPU policy check runs for float32 units only (bfloat16 here): LeRobot's bf16 policies need the "
                "GPU (Fast-WAM's float32 regions use CUDA autocast) and bf16 episodes on the CPU take minutes; the "

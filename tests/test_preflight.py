@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from zoo.errors import LoweringError
-from zoo.preflight import check_kernels, edge_programs, require_kernels
+from zoo.core.errors import LoweringError
+from zoo.export.lower.preflight import check_kernels, edge_programs, require_kernels
 
 
 class ScatterAddInt64(nn.Module):
@@ -157,7 +157,7 @@ class CastWithDevice(torch.nn.Module):
 
 
 def test_a_cast_with_a_device_argument_needs_no_fallback_kernel():
-    from zoo import preflight
+    from zoo.export.lower import preflight
 
     with torch.no_grad():
         ep = torch.export.export(CastWithDevice(), (torch.randn(5, 3),))

@@ -2,7 +2,7 @@
 
 The run folder is built here the way the pipeline builds it: a recipe loaded by the real recipe loader, the
 I/O spec from a real ``MethodSpec``, rewrite statistics from a real ``RewriteResult``, and a verification
-record made by ``zoo.numerics.compare``/``judge`` on the outputs of a real ``torch.export`` program against a
+record made by ``zoo.core.numerics.compare``/``judge`` on the outputs of a real ``torch.export`` program against a
 float64 eager reference, written by the real ``RunReport``. Only the network call is replaced: a recording
 object stands in for ``HfApi`` at its method boundary.
 """
@@ -27,20 +27,21 @@ from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import hf_raise_for_status
 from safetensors.torch import save_file
 
-from zoo import publish, publishing
-from zoo.audit import AuditResult, MethodAudit
-from zoo.errors import PublishRefused
-from zoo.hub import Checkpoint
-from zoo.lowering import LoweringResult
-from zoo.manifest import read_manifest, write_manifest
-from zoo.numerics import compare, judge
-from zoo.pipeline import _as_record, io_spec
+from zoo.cli import publish
+from zoo.export.publish import upload as publishing
+from zoo.export.audit import AuditResult, MethodAudit
+from zoo.core.errors import PublishRefused
+from zoo.export.pull import Checkpoint
+from zoo.export.lower.lowering import LoweringResult
+from zoo.export.publish.manifest import read_manifest, write_manifest
+from zoo.core.numerics import compare, judge
+from zoo.export.pipeline import _as_record, io_spec
 from zoo.policies.base import ExportUnit, InputSpec, MethodSpec
-from zoo.recipes import load_recipe
-from zoo.report import RunReport
+from zoo.contract.recipes import load_recipe
+from zoo.core.report import RunReport
 from zoo.rewrites import RewriteResult
-from zoo.run_folder import RunFolder
-from zoo.runtimes import load_runtimes
+from zoo.contract.run_folder import RunFolder
+from zoo.contract.releases import load_runtimes
 
 SOURCE_REPO = "zoo-test/rope-mini"
 SOURCE_COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -90,12 +91,12 @@ def exported():
 def verification(exported, degrade=None) -> dict:
     """The record the verify step writes: each output of the exported program against float64 eager, judged
     at the recipe's float32 tolerance. ``degrade`` stands in for an artifact that lost precision."""
-    from zoo.verify import Row, VerificationResult
+    from zoo.export.verify import Row, VerificationResult
 
     program, reference = exported
     with torch.no_grad():
         rows = [Row(runtime="aoti", tolerance=1e-5, **r) for r in _rows(program, reference, degrade)]
-    # The record is what zoo.verify's own result writes into report.json, not a hand-made dict.
+    # The record is what zoo.export.verify's own result writes into report.json, not a hand-made dict.
     return VerificationResult(rows=rows, device="cuda", gpu=dict(GPU), rotary_pairs="float32", unit_dtype="float32",
                               seconds=0.1).summary()
 

@@ -31,7 +31,7 @@ KINDS = {
     "python -m zoo doctor": "run",
     "python -m zoo doctor runs/llama-rope-tiny": "run",
     "python -m zoo lower --help": "run",
-    "python -m zoo.lower runs/llama-rope-tiny": "gpu",
+    "python -m zoo lower runs/llama-rope-tiny": "gpu",
     "python -m zoo audit runs/llama-rope-tiny --json": "gpu: audits the lowered artifact",
     "python -m zoo bundle BUNDLE --have-file scripts/have/h200-cuda-image.txt --recipe llama-rope-tiny "
     "--recipe lingbot-va-tiny --recipe fast-wam-tiny": "network: pip downloads wheels",

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from zoo.errors import RecipeError
-from zoo.recipes import RECIPES_DIR, expected_type, load_recipe, recipe_names
+from zoo.core.errors import RecipeError
+from zoo.contract.recipes import RECIPES_DIR, expected_type, load_recipe, recipe_names
 
 from conftest import TEST_RECIPES
 

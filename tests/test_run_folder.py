@@ -1,4 +1,4 @@
-"""The run folder contract (zoo/run_folder.py): every file at its documented place, what is written is what is
+"""The run folder contract (zoo/contract/run_folder.py): every file at its documented place, what is written is what is
 read back, a run replaces an earlier one whole, and no other module spells the folder's file names."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from zoo.errors import LoweringError, ZooError
-from zoo.report import RunReport
-from zoo.run_folder import Attempt, RunFolder
+from zoo.core.errors import LoweringError, ZooError
+from zoo.core.report import RunReport
+from zoo.contract.run_folder import Attempt, RunFolder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -122,17 +122,17 @@ def test_prepare_refuses_what_is_not_a_run_and_removes_dead_staging(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------
-# The file names live in zoo/run_folder.py (and the artifact's in zoo/artifact.py) only
+# The file names live in zoo/contract/run_folder.py (and the artifact's in zoo/contract/artifact.py) only
 
 
 NAMES = {"recipe.yaml", "source.json", "io_spec.json", "host_settings.json", "report.json", "report.md",
          "manifest.json", "model.pte", "aoti_cuda_blob.ptd"}
 FOLDERS = {"processors", "publish", "so"}  # plain words: spelled as a file name only when joined into a path
 FRAGMENTS = (".pt2", ".io.json", ".weights.blob", ".partial-", "*.so")
-OWNERS = {"zoo/run_folder.py", "zoo/artifact.py"}
+OWNERS = {"zoo/contract/run_folder.py", "zoo/contract/artifact.py"}
 # Where a name is still spelled, and why.
 STILL_SPELLED = {
-    "zoo/bundle.py": "the offline bundle's own manifest.json: a bundle is not a run folder",
+    "zoo/cli/bundle.py": "the offline bundle's own manifest.json: a bundle is not a run folder",
 }
 
 
@@ -156,7 +156,7 @@ def test_no_module_outside_the_run_folder_spells_its_file_names():
     spelled = {p.relative_to(ROOT).as_posix(): spelled_names(p) for p in sources}
     spelled = {k: v for k, v in spelled.items() if v and k not in OWNERS}
     assert set(spelled) == set(STILL_SPELLED), {k: v for k, v in spelled.items() if k not in STILL_SPELLED}
-    assert spelled_names(ROOT / "zoo" / "run_folder.py")  # the check sees them where they are
+    assert spelled_names(ROOT / "zoo" / "contract" / "run_folder.py")  # the check sees them where they are
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -252,7 +252,7 @@ def test_a_placed_attempt_keeps_the_attempts_of_the_run_it_replaces(tmp_path):
 def test_a_report_that_cannot_be_written_keeps_nothing_and_touches_nothing(tmp_path, monkeypatch):
     import errno
 
-    from zoo import atomic
+    from zoo.core import atomic
 
     run = _earlier(tmp_path, "done", CPU_DONE)
     before = _files(run.path)
@@ -278,7 +278,7 @@ def test_a_lower_attempt_links_the_run_and_leaves_it_untouched(tmp_path):
     assert (staged / "rewritten.forward.pt2").stat().st_ino == (run.path / "rewritten.forward.pt2").stat().st_ino
     assert not (staged / "model.pte").exists() and not (staged / "so").exists()
     assert not (staged / "report.json").exists()  # written anew by the attempt
-    from zoo import atomic
+    from zoo.core import atomic
 
     atomic.write_bytes(staged / "rewritten.forward.pt2", b"rewritten through the link?")  # replaces the link
     assert _files(run.path) == before
@@ -298,7 +298,7 @@ def test_dead_staging_gives_its_attempts_back_and_a_moved_aside_run_is_put_back(
 
 
 def test_atomic_folder_replaces_whole_or_not_at_all(tmp_path):
-    from zoo import atomic
+    from zoo.core import atomic
 
     final = tmp_path / "publish"
     final.mkdir()

@@ -1,4 +1,4 @@
-"""zoo/runtime_check.py (what scripts/gpu_runtime_check.py reports) on the CPU: the summary table of a
+"""zoo/export/runtime_sequence.py (what scripts/gpu_runtime_check.py reports) on the CPU: the summary table of a
 two-runtime verification from hand-made rows (worked by hand), and the LingBot-VA KV pool sequence on the
 fake runner against a hand-worked chain. The GPU paths themselves run on the GPU box (docs/runtime.md)."""
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zoo import runtime_check
+from zoo.export import runtime_sequence as runtime_check
 from pool_modules import PoolWrite  # noqa: E402
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ SCALES = {"video_step": 1.0, "action_step": -2.0}
 def pool_run(tmp_path_factory):
     """A run folder with two methods passing a pool in and out (``pool`` -> ``pool_next``), as LingBot-VA's io
     layout does, and a recipe-shaped object with what the sequence reads."""
-    from zoo.recipes import Tolerance
+    from zoo.contract.recipes import Tolerance
 
     d = tmp_path_factory.mktemp("pool-run")
     values, slots, pool = torch.randn(2, 4), torch.tensor([1, 3]), torch.zeros(5, 4)
@@ -94,7 +94,7 @@ def pool_run(tmp_path_factory):
 
 def _hand_chain(run_dir: Path, steps: int):
     """The pool after each call, worked directly from the drawn inputs (index_copy of scaled rows)."""
-    from zoo import verify
+    from zoo.export import verify
     from zoo.policies.base import InputSpec
 
     specs = [InputSpec(**d) for d in json.loads((run_dir / "io_spec.json").read_text())["methods"]["video_step"]["inputs"]]
@@ -110,7 +110,7 @@ def _hand_chain(run_dir: Path, steps: int):
 
 @pytest.mark.parametrize("mode, passed", [("", True), ("wrong", False)])
 def test_pool_sequence_feeds_the_pool_from_call_to_call(check, pool_run, fake_zoo_runner, monkeypatch, mode, passed):
-    from zoo.run_folder import RunFolder
+    from zoo.contract.run_folder import RunFolder
 
     run_dir, recipe = pool_run
     monkeypatch.setenv("FAKE_ZOO_RUNNER_MODE", mode)

@@ -20,9 +20,9 @@ import pytest
 import torch
 from torch import nn
 
-from zoo import et_runtime
-from zoo.errors import RuntimeCallFailed
-from zoo.tensor_file import read_tensor, write_tensor
+from zoo.contract.releases import executorch as et_runtime
+from zoo.core.errors import RuntimeCallFailed
+from zoo.contract.tensor_file import read_tensor, write_tensor
 from pool_modules import PoolWrite  # noqa: E402
 
 RUNNER = os.environ.get(et_runtime.RUNNER_ENV)
@@ -48,7 +48,7 @@ MODULES = {"gather": Gather().eval(), "video_step": PoolWrite(1.0), "action_step
 def program(tmp_path_factory):
     from executorch.exir import ExecutorchBackendConfig, to_edge
 
-    from zoo.lowering import ensure_flatc
+    from zoo.export.lower.lowering import ensure_flatc
 
     ensure_flatc()  # writing a .pte needs flatc
     torch.manual_seed(0)

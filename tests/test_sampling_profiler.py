@@ -1,4 +1,4 @@
-"""zoo.sampling_profiler: what a sample counts, what the report says, and that a killed job leaves one."""
+"""zoo.core.sampling_profiler: what a sample counts, what the report says, and that a killed job leaves one."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from zoo.sampling_profiler import SamplingProfiler, frame_key
+from zoo.core.sampling_profiler import SamplingProfiler, frame_key
 
 HERE = "tests/test_sampling_profiler.py"
 
@@ -102,7 +102,7 @@ def test_a_killed_job_leaves_the_profile_of_its_last_flush(tmp_path):
 
         spin_here()
     """))
-    proc = subprocess.Popen([sys.executable, "-m", "zoo.sampling_profiler", "--out", str(out), "--interval", "0.01",
+    proc = subprocess.Popen([sys.executable, "-m", "zoo.core.sampling_profiler", "--out", str(out), "--interval", "0.01",
                              "--flush-every", "0.2", str(script)], env=dict(os.environ))
     try:
         deadline = time.monotonic() + 120
@@ -128,7 +128,7 @@ def test_sigterm_writes_the_profile_and_ends_as_terminated(tmp_path):
                 time.sleep(0.01)
         wait_here()
     """))
-    proc = subprocess.Popen([sys.executable, "-m", "zoo.sampling_profiler", "--out", str(out), "--interval", "0.01",
+    proc = subprocess.Popen([sys.executable, "-m", "zoo.core.sampling_profiler", "--out", str(out), "--interval", "0.01",
                              "--flush-every", "600", str(script)], env=dict(os.environ))
     deadline = time.monotonic() + 120
     while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
@@ -143,7 +143,7 @@ def test_the_script_runs_with_its_arguments_and_exit_code(tmp_path):
     script = tmp_path / "job.py"
     script.write_text("import sys\nprint('args', sys.argv[1:])\nsys.exit(int(sys.argv[1]))\n")
     out = tmp_path / "p.txt"
-    done = subprocess.run([sys.executable, "-m", "zoo.sampling_profiler", "--out", str(out), str(script), "3", "x"],
+    done = subprocess.run([sys.executable, "-m", "zoo.core.sampling_profiler", "--out", str(out), str(script), "3", "x"],
                           capture_output=True, text=True, env=dict(os.environ))
     assert done.returncode == 3
     assert "args ['3', 'x']" in done.stdout

@@ -1,4 +1,4 @@
-"""The tensor file format the C++ runner reads and writes (zoo/tensor_file.py, runtime/cpp/tensor_file.cpp).
+"""The tensor file format the C++ runner reads and writes (zoo/contract/tensor_file.py, runtime/cpp/tensor_file.cpp).
 
 Round trips compare with the tensor written (torch.equal, bitwise: NaN payloads and -0.0 included); the header
 is checked against bytes packed here by hand from the documented layout, so a reader and writer that agree
@@ -13,8 +13,8 @@ import struct
 import pytest
 import torch
 
-from zoo.errors import TensorFileError, ZooError
-from zoo.tensor_file import read_tensor, write_tensor
+from zoo.core.errors import TensorFileError, ZooError
+from zoo.contract.tensor_file import read_tensor, write_tensor
 
 # Every dtype the artifacts use (inputs, outputs, KV pools, slots, masks) and the rest the format carries.
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,

@@ -6,7 +6,7 @@
 2. A whole run folder, lowered with only the GPU compile faked (tests/fixtures/fake_cuda.py), verified with
    the delegate's partition program standing in for the .so: a unit whose .so takes its inputs permuted
    verifies, and fails with the order ignored; float32 rotary pairs are measured against complex128 eager;
-   a stateful pool keeps its state across calls; a planted mismatch fails `python -m zoo.lower` with exit 3
+   a stateful pool keeps its state across calls; a planted mismatch fails `python -m zoo lower` with exit 3
    and a report that shows where.
 3. The ExecuTorch runtime as a second backend, chosen by the recipe key or the command line, with a fake
    zoo_runner: both runtimes get the same cases; no runner by default is a note; asked for explicitly without
@@ -26,16 +26,16 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-import zoo.et_runtime as et_runtime
-import zoo.lowering as lowering
-import zoo.export as export_cli
-import zoo.lower as lower_cli
-import zoo.verify as verify
-from zoo.errors import NoGpuError, RuntimeNotBuilt, VerificationFailed
-from zoo.gpu_steps import saved_programs
+import zoo.runtimes.executorch as et_runtime
+import zoo.export.lower.lowering as lowering
+import zoo.cli.export as export_cli
+import zoo.cli.lower as lower_cli
+import zoo.export.verify as verify
+from zoo.core.errors import NoGpuError, RuntimeNotBuilt, VerificationFailed
+from zoo.export.stages import saved_programs
 from zoo.policies.base import InputSpec
-from zoo.recipes import Tolerance, load_recipe
-from zoo.run_folder import RunFolder
+from zoo.contract.recipes import Tolerance, load_recipe
+from zoo.contract.run_folder import RunFolder
 
 from conftest import ToyPermuted
 
@@ -373,7 +373,7 @@ def test_planted_mismatch_fails_the_command_with_a_report_that_shows_where(run_f
 
 
 def test_command_runs_every_gpu_step_on_one_report(run_folder, tmp_path, monkeypatch, capsys):
-    # The whole of `python -m zoo.lower RUN_DIR` with only AOTInductor's compile faked and the .so run by the
+    # The whole of `python -m zoo lower RUN_DIR` with only AOTInductor's compile faked and the .so run by the
     # partition it was compiled from, on the CPU: preflight, lower, audit, verify, then the manifest.
     run = _copy(run_folder, tmp_path)
     (run / "model.pte").unlink()
@@ -444,9 +444,9 @@ class Scaled(nn.Module):
 
 def test_verify_unit_step_judges_the_artifact_against_the_units_own_modules(run_folder, tmp_path):
     # The real-size scripts never save their ~10 GB programs: the unit still in memory is the reference.
-    from zoo.gpu_steps import verify_unit_step
+    from zoo.export.stages import verify_unit_step
     from zoo.policies.base import ExportUnit, MethodSpec
-    from zoo.report import RunReport
+    from zoo.core.report import RunReport
 
     run = _copy(run_folder, tmp_path)
     for path in run.glob("exported.*.pt2"):  # nothing on disk to fall back on
@@ -638,7 +638,7 @@ def test_a_load_failure_the_audit_did_not_predict_fails_and_is_a_finding(run_fol
 
 
 def test_empty_weights_blob_is_not_given_to_the_runner(tmp_path):
-    from zoo.aoti_runner import load_weights
+    from zoo.runtimes.aoti import load_weights
 
     class Container:
         def __init__(self):

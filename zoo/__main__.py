@@ -12,22 +12,22 @@ import shutil
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .cli import guarded, report_error
-from .errors import EXIT_ERROR, EXIT_OK, ZooError, exit_status_help
-from .recipes import load_recipe, recipe_names
-from .report import format_table
+from zoo.cli.common import guarded, report_error
+from zoo.core.errors import EXIT_ERROR, EXIT_OK, ZooError, exit_status_help
+from zoo.contract.recipes import load_recipe, recipe_names
+from zoo.core.report import format_table
 
 # command -> (module, function taking argv, one-line help)
 DELEGATES: Dict[str, Tuple[str, str, str]] = {
-    "export": ("zoo.export", "main", "pull, export, rewrite, check (and lower/verify on a GPU): python -m zoo export RECIPE"),
-    "lower": ("zoo.lower", "main", "lower, audit and verify a saved run folder on a GPU (model.pte + .ptd)"),
-    "audit": ("zoo.audit", "audit_main", "which ExecuTorch CUDA runtimes can load an artifact"),
-    "publish": ("zoo.publish", "main", "publish a verified run to the Hugging Face Hub"),
+    "export": ("zoo.cli.export", "main", "pull, export, rewrite, check (and lower/verify on a GPU): python -m zoo export RECIPE"),
+    "lower": ("zoo.cli.lower", "main", "lower, audit and verify a saved run folder on a GPU (model.pte + .ptd)"),
+    "audit": ("zoo.export.audit", "audit_main", "which ExecuTorch CUDA runtimes can load an artifact"),
+    "publish": ("zoo.cli.publish", "main", "publish a verified run to the Hugging Face Hub"),
     "bench": ("zoo.bench", "main", "time a lowered artifact on the GPU"),
-    "prompt": ("zoo.deploy", "prompt_main", "embed a task text once for the policy runner (UMT5, eager; needs lerobot)"),
-    "act": ("zoo.deploy", "act_main", "print one action chunk for an observation file (zoo.runner)"),
-    "bundle": ("zoo.bundle", "main", "wheels and checkpoints for a machine without network"),
-    "doctor": ("zoo.doctor", "main", "what this machine can do; summarise run folders"),
+    "prompt": ("zoo.cli.deploy", "prompt_main", "embed a task text once for the policy runner (UMT5, eager; needs lerobot)"),
+    "act": ("zoo.cli.deploy", "act_main", "print one action chunk for an observation file (zoo.runner)"),
+    "bundle": ("zoo.cli.bundle", "main", "wheels and checkpoints for a machine without network"),
+    "doctor": ("zoo.cli.doctor", "main", "what this machine can do; summarise run folders"),
 }
 
 

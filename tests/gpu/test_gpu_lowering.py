@@ -2,7 +2,7 @@
 through torch's AOTI runner against eager, and the audit of the real .so.
 
 Run folders are written the way the export step writes them (``RunFolder``: recipe.yaml, io_spec.json,
-exported/rewritten/reference_fp32 programs), then ``zoo.pipeline.lower_run`` (``python -m zoo.lower RUN_DIR``)
+exported/rewritten/reference_fp32 programs), then ``zoo.export.pipeline.lower_run`` (``python -m zoo lower RUN_DIR``)
 does the rest:
   unit "toy" (float32, triton OFF): permuted (the .so takes its inputs in another order), rope (Linear + float32
       real-pair rope over a dynamic length, against complex128 eager), rope64 (float64 pairs: loads on no
@@ -118,7 +118,7 @@ def _spec(name, dtype, shape, sampler="normal"):
 
 
 def _recipe(name: str, methods, dtype: str, triton: str, seeds, sizes):
-    from zoo.recipes import DynamicDim, Lowering, Recipe, Source, Unit, Verify
+    from zoo.contract.recipes import DynamicDim, Lowering, Recipe, Source, Unit, Verify
 
     return Recipe(name=name, family="llama", source=Source(repo_id="zoo-gpu-test/none"),
                   unit=Unit(methods=list(methods), dtype=dtype), rotary_pairs="float32",
@@ -129,7 +129,7 @@ def _recipe(name: str, methods, dtype: str, triton: str, seeds, sizes):
 
 def write_run(path: Path, recipe, exported: Dict, rewritten: Dict, io: Dict,
               reference_fp32: Optional[Dict] = None) -> Path:
-    from zoo.run_folder import RunFolder
+    from zoo.contract.run_folder import RunFolder
 
     run = RunFolder(path)
     run.path.mkdir(parents=True, exist_ok=True)
@@ -187,7 +187,7 @@ def build_bf16(path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def toy_run(tmp_path_factory):
-    from zoo.pipeline import lower_run
+    from zoo.export.pipeline import lower_run
 
     run = build_toy(tmp_path_factory.mktemp("gpu") / "toy")
     return run, lower_run(run)
@@ -209,8 +209,8 @@ def test_toy_unit_lowers_and_verifies(toy_run):
 
 
 def test_ignoring_the_delegate_order_fails_on_the_real_so(toy_run):
-    from zoo import verify
-    from zoo.run_folder import RunFolder
+    from zoo.export import verify
+    from zoo.contract.run_folder import RunFolder
 
     run, _ = toy_run
     folder = RunFolder(run)
@@ -227,7 +227,7 @@ def test_ignoring_the_delegate_order_fails_on_the_real_so(toy_run):
 
 
 def test_audit_of_the_real_so(toy_run):
-    from zoo import audit
+    from zoo.export import audit
 
     run, _ = toy_run
     result = audit.audit_artifact(run)
@@ -238,7 +238,7 @@ def test_audit_of_the_real_so(toy_run):
 
 
 def test_bf16_unit_verifies_against_its_float32_export(tmp_path):
-    from zoo.pipeline import lower_run
+    from zoo.export.pipeline import lower_run
 
     report = lower_run(build_bf16(tmp_path / "bf16"))
     assert report.get("status") == "verified"
@@ -249,10 +249,12 @@ def test_bf16_unit_verifies_against_its_float32_export(tmp_path):
 
 
 def test_int64_scatter_add_compiles_to_the_symbol_the_preflight_names(tmp_path):
-    from zoo import audit, lowering, preflight
-    from zoo.aoti_runner import AotiRunner
-    from zoo.recipes import Lowering, Recipe, Source, Unit
-    from zoo.run_folder import RunFolder
+    from zoo.export import audit
+    from zoo.export.lower import lowering
+    from zoo.export.lower import preflight
+    from zoo.runtimes.aoti import AotiRunner
+    from zoo.contract.recipes import Lowering, Recipe, Source, Unit
+    from zoo.contract.run_folder import RunFolder
 
     counts, index = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 3, 3, 7])
     with torch.no_grad():

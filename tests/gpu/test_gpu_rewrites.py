@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _recipe(triton: str):
-    from zoo.recipes import Lowering, Recipe, Source, Unit
+    from zoo.contract.recipes import Lowering, Recipe, Source, Unit
 
     return Recipe(name="gpu-case", family="llama", source=Source(repo_id="none/none"), unit=Unit(methods=["forward"]),
                   lowering=Lowering(triton_kernel_mode=triton, max_mm_configs=1))
@@ -28,9 +28,11 @@ def _recipe(triton: str):
 
 def lower_and_compare(module: nn.Module, inputs: Sequence[torch.Tensor], rewrites: Sequence[str], out: Path,
                       triton: str = "OFF", bound: float = 1e-5):
-    from zoo import numerics, rewrites as zr, verify
-    from zoo.aoti_runner import AotiRunner
-    from zoo.lowering import lower_to_pte
+    from zoo.core import numerics
+    from zoo import rewrites as zr
+    from zoo.export import verify
+    from zoo.runtimes.aoti import AotiRunner
+    from zoo.export.lower.lowering import lower_to_pte
 
     module = module.eval()
     with torch.no_grad():
@@ -136,9 +138,9 @@ def test_attention_the_triton_sdpa_gets_wrong_lowers_right_once_written_out(tmp_
 
 def test_int64_scatter_add_is_refused_by_the_preflight_before_compiling(tmp_path, monkeypatch):
     import torch._inductor
-    from zoo.errors import LoweringError
-    from zoo.artifact import PTE_NAME
-    from zoo.lowering import lower_to_pte
+    from zoo.core.errors import LoweringError
+    from zoo.contract.artifact import PTE_NAME
+    from zoo.export.lower.lowering import lower_to_pte
 
     def no_compile(*args, **kwargs):
         raise AssertionError("AOTInductor compiled: the preflight should have refused first")

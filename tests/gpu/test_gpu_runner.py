@@ -1,6 +1,6 @@
 """On a CUDA machine: the policy check with the **artifact** backend, at tiny size. zoo.runner drives each tiny
 run's shipped ``.so`` files through torch's AOTI runner against LeRobot's own policy, eager, on the same GPU,
-over 3 action chunks of seeded synthetic observations: the very check ``zoo.policy_check`` runs as the
+over 3 action chunks of seeded synthetic observations: the very check ``zoo.export.policy_check`` runs as the
 pipeline's ``policy_check_gpu`` stage after verification.
 
 Run folders: ``ZOO_GPU_RUNS=/path/runs`` reuses already-lowered ones (``/path/runs/<recipe>``, e.g. what
@@ -28,10 +28,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.policies,
 
 pytest.importorskip("lerobot")
 
-from zoo import pipeline  # noqa: E402
-from zoo.policy_check import check_run, checkpoint_in_reach  # noqa: E402
-from zoo.recipes import load_recipe  # noqa: E402
-from zoo.run_folder import RunFolder  # noqa: E402
+from zoo.export import pipeline  # noqa: E402
+from zoo.export.policy_check import check_run, checkpoint_in_reach  # noqa: E402
+from zoo.contract.recipes import load_recipe  # noqa: E402
+from zoo.contract.run_folder import RunFolder  # noqa: E402
 
 from runner_helpers import export_run  # noqa: E402
 

@@ -21,9 +21,9 @@ from typing import Any, Dict
 import pytest
 
 import zoo.policies
-from zoo.errors import ExportError, RecipeError
+from zoo.core.errors import ExportError, RecipeError
 from zoo.policies import FamilyOptions, family_names, load_family, options_class
-from zoo.recipes import load_recipe
+from zoo.contract.recipes import load_recipe
 
 FAMILIES = family_names()
 SHIPPED = Path(zoo.policies.__file__).resolve().parent
@@ -175,7 +175,7 @@ from zoo import policies
 for name in policies.family_names():
     policies.options_class(name)
 assert "torch" not in sys.modules, "an options module imported torch"
-from zoo.recipes import load_recipe, recipe_names
+from zoo.contract.recipes import load_recipe, recipe_names
 for name in recipe_names():
     load_recipe(name)
 heavy = sorted({m.split(".")[0] for m in sys.modules} & {"lerobot", "transformers", "diffusers"})

@@ -18,9 +18,10 @@ pytestmark = pytest.mark.policies
 
 from huggingface_hub import snapshot_download  # noqa: E402
 
-from zoo.hub_cache import hub_environment, put_in_cache  # noqa: E402
-from zoo.policies import fast_init, load_family  # noqa: E402
-from zoo.recipes import load_recipe  # noqa: E402
+from zoo.export.hub_cache import hub_environment, put_in_cache  # noqa: E402
+from zoo.policies import load_family
+from zoo.policies import fast_init  # noqa: E402
+from zoo.contract.recipes import load_recipe  # noqa: E402
 
 
 def fabricated(family, recipe, root: Path):

@@ -23,12 +23,12 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from zoo.errors import PullError, RecipeError  # noqa: E402
-from zoo.hub_cache import folder_commit, hub_environment, put_in_cache  # noqa: E402
-from zoo.numerics import compare  # noqa: E402
-from zoo.recipes import load_recipe  # noqa: E402
+from zoo.core.errors import PullError, RecipeError  # noqa: E402
+from zoo.export.hub_cache import folder_commit, hub_environment, put_in_cache  # noqa: E402
+from zoo.core.numerics import compare  # noqa: E402
+from zoo.contract.recipes import load_recipe  # noqa: E402
 
-fast_wam = pytest.importorskip("zoo.policies.fast_wam")
+fast_wam = pytest.importorskip("zoo.policies.fast_wam.unit")
 
 pytestmark = pytest.mark.policies
 

@@ -20,12 +20,13 @@ from huggingface_hub import snapshot_download  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from lerobot.policies.lingbot_va.utils import get_mesh_id  # noqa: E402
-from zoo.errors import PullError, RecipeError, ZooError  # noqa: E402
-from zoo.hub_cache import folder_commit, hub_environment, put_in_cache  # noqa: E402
-from zoo.numerics import compare  # noqa: E402
+from zoo.core.errors import PullError, RecipeError, ZooError  # noqa: E402
+from zoo.export.hub_cache import folder_commit, hub_environment, put_in_cache  # noqa: E402
+from zoo.core.numerics import compare  # noqa: E402
 from zoo.policies import load_family  # noqa: E402
-from zoo.policies.lingbot_va_pool import HostSlotAllocator, PoolStep  # noqa: E402
-from zoo.recipes import load_recipe  # noqa: E402
+from zoo.policies.lingbot_va.pool import PoolStep  # noqa: E402
+from zoo.runner.slots import HostSlotAllocator  # noqa: E402
+from zoo.contract.recipes import load_recipe  # noqa: E402
 
 lingbot_va = load_family("lingbot_va")
 RECIPE = "lingbot-va-tiny"

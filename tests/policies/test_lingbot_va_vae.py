@@ -1,4 +1,4 @@
-"""LingBot-VA's streaming VAE methods (zoo/policies/lingbot_va_vae.py) against LeRobot's own
+"""LingBot-VA's streaming VAE methods (zoo/policies/lingbot_va/vae.py) against LeRobot's own
 ``WanVAEStreamingWrapper.encode_chunk`` over an episode: the first frame, then 12 and 16 buffered keyframes in
 one call each (LeRobot) against 3 and 4 calls of 4 frames with the cache passed through (zoo).
 
@@ -13,11 +13,11 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from zoo.pipeline import apply_rewrites  # noqa: E402
-from zoo.preflight import check_kernels  # noqa: E402
-from zoo.recipes import load_recipe  # noqa: E402
+from zoo.export.pipeline import apply_rewrites  # noqa: E402
+from zoo.export.lower.preflight import check_kernels  # noqa: E402
+from zoo.contract.recipes import load_recipe  # noqa: E402
 
-vae_stream = pytest.importorskip("zoo.policies.lingbot_va_vae")
+vae_stream = pytest.importorskip("zoo.policies.lingbot_va.vae")
 
 pytestmark = pytest.mark.policies
 

@@ -16,11 +16,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from zoo.errors import PullError, RecipeError  # noqa: E402
-from zoo.hub_cache import folder_commit, hub_environment, put_in_cache  # noqa: E402
-from zoo.numerics import compare  # noqa: E402
-from zoo.policies import llama  # noqa: E402
-from zoo.recipes import load_recipe  # noqa: E402
+from zoo.core.errors import PullError, RecipeError  # noqa: E402
+from zoo.export.hub_cache import folder_commit, hub_environment, put_in_cache  # noqa: E402
+from zoo.core.numerics import compare  # noqa: E402
+from zoo.policies.llama.unit import unit as llama  # noqa: E402
+from zoo.contract.recipes import load_recipe  # noqa: E402
 
 pytestmark = pytest.mark.policies
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.export import Dim, export
 
-from zoo.errors import ZooError
-from zoo.numerics import compare
+from zoo.core.errors import ZooError
+from zoo.core.numerics import compare
 from zoo.rewrites import replace_complex_with_real
 from zoo.rewrites import complex_to_real as c2r
 

@@ -24,9 +24,10 @@ from torch.export import Dim, ExportedProgram, export
 
 import zoo.rewrites
 from joint_program import as_joint
-from zoo.errors import RecipeError
-from zoo.recipes import Recipe
-from zoo.rewrites import DEFAULT_ORDER, RewriteResult, registry, rewrites_for
+from zoo.core.errors import RecipeError
+from zoo.contract.recipes import Recipe
+from zoo.rewrites import DEFAULT_ORDER, RewriteResult, rewrites_for
+from zoo.rewrites import registry
 
 aten = torch.ops.aten
 

@@ -9,7 +9,7 @@ from torch.export import export
 
 from inductor_probe import inductor_input
 from joint_program import as_joint
-from zoo.errors import ZooError
+from zoo.core.errors import ZooError
 from zoo.rewrites import replace_detach_with_alias
 
 aten = torch.ops.aten

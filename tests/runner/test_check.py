@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zoo.errors import RunnerError
+from zoo.core.errors import RunnerError
 from zoo.runner.check import ChunkTolerance, compare_episode
 
 

@@ -8,11 +8,11 @@ import importlib.util
 import pytest
 import torch
 
-from zoo import deploy
+from zoo.cli import deploy
 from zoo.__main__ import main
-from zoo.errors import RunnerError
-from zoo.recipes import load_recipe
-from zoo.run_folder import RunFolder
+from zoo.core.errors import RunnerError
+from zoo.contract.recipes import load_recipe
+from zoo.contract.run_folder import RunFolder
 from zoo.runner.observations import load_observation, save_observation, synthetic_observations
 
 SETTINGS = {"policy_type": "fastwam", "observation_features": {

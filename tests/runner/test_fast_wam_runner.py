@@ -19,20 +19,20 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from zoo import deploy  # noqa: E402
-from zoo.errors import PolicyCheckFailed  # noqa: E402
-from zoo.policy_check import policy_check_step  # noqa: E402
-from zoo.recipes import load_recipe  # noqa: E402
-from zoo.report import RunReport  # noqa: E402
-from zoo.run_folder import RunFolder  # noqa: E402
+from zoo.cli import deploy  # noqa: E402
+from zoo.core.errors import PolicyCheckFailed  # noqa: E402
+from zoo.export.policy_check import policy_check_step  # noqa: E402
+from zoo.contract.recipes import load_recipe  # noqa: E402
+from zoo.core.report import RunReport  # noqa: E402
+from zoo.contract.run_folder import RunFolder  # noqa: E402
 from zoo.runner import PromptEmbedding, RunnerError, load  # noqa: E402
 from zoo.runner.check import ProcessedPolicy, policy_check  # noqa: E402
 from zoo.runner.observations import load_observation  # noqa: E402
-from zoo.tiny_hub import fabricated_hub  # noqa: E402
+from zoo.export.tiny_hub import fabricated_hub  # noqa: E402
 
 from runner_helpers import export_run  # noqa: E402
 
-fast_wam = pytest.importorskip("zoo.policies.fast_wam")
+fast_wam = pytest.importorskip("zoo.policies.fast_wam.unit")
 
 pytestmark = pytest.mark.policies
 

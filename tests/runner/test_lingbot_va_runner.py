@@ -15,18 +15,18 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from zoo.errors import PolicyCheckFailed  # noqa: E402
-from zoo.policy_check import policy_check_step  # noqa: E402
-from zoo.recipes import load_recipe  # noqa: E402
-from zoo.report import RunReport  # noqa: E402
-from zoo.run_folder import RunFolder  # noqa: E402
+from zoo.core.errors import PolicyCheckFailed  # noqa: E402
+from zoo.export.policy_check import policy_check_step  # noqa: E402
+from zoo.contract.recipes import load_recipe  # noqa: E402
+from zoo.core.report import RunReport  # noqa: E402
+from zoo.contract.run_folder import RunFolder  # noqa: E402
 from zoo.runner import PromptEmbedding, RunnerError, load  # noqa: E402
 from zoo.runner.check import ProcessedPolicy, compare_episode, run_episode  # noqa: E402
-from zoo.tiny_hub import fabricated_hub  # noqa: E402
+from zoo.export.tiny_hub import fabricated_hub  # noqa: E402
 
 from runner_helpers import export_run  # noqa: E402
 
-lingbot_va = pytest.importorskip("zoo.policies.lingbot_va")
+lingbot_va = pytest.importorskip("zoo.policies.lingbot_va.unit")
 
 pytestmark = pytest.mark.policies
 

@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("lerobot")
 
-from zoo.errors import RunnerError  # noqa: E402
-from zoo.run_folder import RunFolder  # noqa: E402
+from zoo.core.errors import RunnerError  # noqa: E402
+from zoo.contract.run_folder import RunFolder  # noqa: E402
 from zoo.runner.processors import load_pipeline, load_processors  # noqa: E402
 
 pytestmark = pytest.mark.policies

@@ -16,7 +16,7 @@ need a GPU. The names below are the package's interface (``from zoo import bench
 
 from __future__ import annotations
 
-from .candidates import (
+from zoo.bench.candidates import (
     INPUT_SEED,
     ArtifactMethod,
     Candidate,
@@ -40,7 +40,7 @@ from .candidates import (
     size_cases,
     top_kernels,
 )
-from .cli import (
+from zoo.bench.cli import (
     COST_STAGES,
     artifact_sizes,
     build_parser,
@@ -51,7 +51,7 @@ from .cli import (
     resolve_device,
     run_name,
 )
-from .measuring import (
+from zoo.bench.measuring import (
     MIB,
     CudaEventTimer,
     PeakMemory,
@@ -63,7 +63,7 @@ from .measuring import (
     percentile,
     timer_for,
 )
-from .rendering import (
+from zoo.bench.rendering import (
     BENCH_JSON,
     BENCH_MD,
     FORMAT,

@@ -15,14 +15,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..artifact import PTD_NAME, PTE_NAME
-from ..errors import ZooError
-from ..numerics import compare
-from ..policies.base import InputSpec
-from ..run_folder import RunFolder
-from ..verify import aoti_runner_factory, run_in_delegate_order, shipped_runners
-from .measuring import PeakMemory, measure, timer_for
-from .rendering import TARGETS, Targets, judge_method
+from zoo.contract.artifact import PTD_NAME, PTE_NAME
+from zoo.core.errors import ZooError
+from zoo.core.numerics import compare
+from zoo.policies.base import InputSpec
+from zoo.contract.run_folder import RunFolder
+from zoo.runtimes.aoti import aoti_runner_factory, run_in_delegate_order, shipped_runners
+from zoo.bench.measuring import PeakMemory, measure, timer_for
+from zoo.bench.rendering import TARGETS, Targets, judge_method
 
 # Inputs are drawn from these seeds on: never the seeds torch.export traced with or verification uses.
 INPUT_SEED = 20_000
@@ -272,7 +272,7 @@ def agreement(records: Dict[str, Dict[str, Any]]) -> Dict[str, Any]:
     """Each candidate's outputs on the first input set against eager's: worst relative L2, lowest cosine.
 
     Timing an artifact that computes something else would mean nothing; this is a cross-check on the timed
-    inputs, not the verification (``zoo.verify`` judges the artifact against eager with the recipe's rules).
+    inputs, not the verification (``zoo.export.verify`` judges the artifact against eager with the recipe's rules).
     """
     ref = (records.get("eager") or {}).get("_outputs")
     out: Dict[str, Any] = {}
@@ -385,8 +385,8 @@ def artifact_candidate(run_dir: Path, method: str, device: str) -> Candidate:
 
 class ArtifactMethod:
     """One lowered method run exactly as verification runs it: the .so and weights blob of the shipped
-    model.pte / aoti_cuda_blob.ptd (``verify.shipped_runners``: the run's so/ while its stamp says it holds their
-    bytes, else taken out of them), inputs handed over in the delegate's order (``verify.run_in_delegate_order``)."""
+    model.pte / aoti_cuda_blob.ptd (``zoo.runtimes.aoti.shipped_runners``: the run's so/ while its stamp says it holds their
+    bytes, else taken out of them), inputs handed over in the delegate's order (``zoo.runtimes.aoti.run_in_delegate_order``)."""
 
     def __init__(self, run_dir: Path, method: str, device: str = "cuda"):
         run = RunFolder(run_dir)

@@ -32,10 +32,10 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from ..errors import EXIT_ERROR, EXIT_OK, NoGpuError, ZooError, exit_status_help
-from ..artifact import so_file_name, weights_file_name
-from ..run_folder import IO_SPEC_JSON, RunFolder
-from .candidates import (
+from zoo.core.errors import EXIT_ERROR, EXIT_OK, NoGpuError, ZooError, exit_status_help
+from zoo.contract.artifact import so_file_name, weights_file_name
+from zoo.contract.run_folder import IO_SPEC_JSON, RunFolder
+from zoo.bench.candidates import (
     bench_method,
     carried_state_cost,
     error_line,
@@ -44,9 +44,9 @@ from .candidates import (
     run_folder_candidates,
     size_cases,
 )
-from .measuring import environment, timer_for
-from .rendering import BENCH_JSON, BENCH_MD, FORMAT, TARGETS, render, write_results
-from .rotary import DEFAULT_CASES, parse_case, run_rotary
+from zoo.bench.measuring import environment, timer_for
+from zoo.bench.rendering import BENCH_JSON, BENCH_MD, FORMAT, TARGETS, render, write_results
+from zoo.bench.rotary import DEFAULT_CASES, parse_case, run_rotary
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from .. import atomic
-from ..artifact import PTD_NAME, PTE_NAME
-from ..report import format_table, markdown_table
-from .measuring import MIB
+from zoo.core import atomic
+from zoo.contract.artifact import PTD_NAME, PTE_NAME
+from zoo.core.report import format_table, markdown_table
+from zoo.bench.measuring import MIB
 
 FORMAT = "zoo-bench/1"
 BENCH_JSON = "bench.json"

@@ -22,12 +22,12 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..errors import RewriteDeclined, ZooError
-from ..numerics import compare
-from ..rewrites.complex_to_real import replace_complex_with_real
-from .candidates import auto_input_sets, indexed_device, top_kernels
-from .measuring import measure, measure_device_time, timer_for
-from .rendering import TARGETS, judge_at_least
+from zoo.core.errors import RewriteDeclined, ZooError
+from zoo.core.numerics import compare
+from zoo.rewrites.complex_to_real import replace_complex_with_real
+from zoo.bench.candidates import auto_input_sets, indexed_device, top_kernels
+from zoo.bench.measuring import measure, measure_device_time, timer_for
+from zoo.bench.rendering import TARGETS, judge_at_least
 
 PAIR_TABLE_DTYPE = torch.float32  # the rewrite turns the complex64 table into float32 pairs
 

@@ -1,25 +1,15 @@
-"""Policy families, found by convention: a family named NAME is two modules in this package.
+"""Policy families, found by convention: a family named NAME is a folder here.
 
-    zoo/policies/NAME.py          the family itself; it may import lerobot (the policies extra) at its top
-        build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit
-        fabricate_checkpoint(recipe: Recipe, work_dir: Path) -> Dict[str, Path]
-            seeded random weights in the checkpoint's real file layout; {repo_id: folder} for the recipe's repo
-            and every auxiliary repo the policy loads by Hub id (VAE, text encoder, tokenizer)
-        check_recipe(recipe: Recipe) (optional)
-            raise RecipeError for what the family cannot build (methods, dtype, sizes); the pipeline calls it
-            before anything is fabricated, downloaded or written (``check_recipe`` below)
-    zoo/policies/NAME_options.py  the class NameOptions (``lingbot_va`` -> ``LingbotVaOptions``): a dataclass
-        subclassing ``FamilyOptions`` whose fields are the recipe's ``unit.options`` keys, with types and defaults
+    zoo/policies/NAME/options.py  ``NameOptions`` (``lingbot_va`` -> ``LingbotVaOptions``): the dataclass that types
+        the recipe's ``unit.options``; standard library only, so recipes load without lerobot
+    zoo/policies/NAME/unit.py     the export unit; it may import lerobot (the policies extra) at its top:
+        build_unit(checkpoint_dir, recipe) -> ExportUnit
+        fabricate_checkpoint(recipe, work_dir) -> {repo_id: folder}   seeded weights in the real file layout
+        check_recipe(recipe)  (optional) refuse what the family cannot build, before anything is downloaded
+        lerobot_policy(checkpoint_dir, recipe, device), embed_prompt(policy, task)  LeRobot's own side
 
-The options live apart from the family because the recipe layer needs them whenever a recipe is loaded: they
-type ``unit.options`` in the recipe schema, so an unknown option key or a value of the wrong type is refused
-with the same error and did-you-mean as any recipe key. That includes ``python -m zoo list`` and
-``python -m zoo.lower RUN_DIR`` on a machine without lerobot: an options module imports only the standard
-library. The family module keeps lerobot at its top, so ``load_family`` can turn a missing extra into one clear
-error when a unit is about to be built.
-
-The list of families is the list of ``*_options`` modules here (``family_names``), read from the package
-folder without importing anything; nothing else names them.
+The list of families is the list of folders with an ``options.py`` (``family_names``), read without importing
+anything; nothing else names them.
 """
 
 from __future__ import annotations
@@ -27,12 +17,14 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass, is_dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Callable, List, Type
 
-from ..errors import ExportError, RecipeError
+from zoo.core.errors import ExportError, RecipeError
 
-OPTIONS_SUFFIX = "_options"
+OPTIONS_MODULE = "options"  # zoo/policies/NAME/options.py: the light half
+UNIT_MODULE = "unit"  # zoo/policies/NAME/unit.py: the export unit (may import lerobot)
 
 
 @dataclass
@@ -47,9 +39,9 @@ class FamilyOptions:
 
 
 def family_names() -> List[str]:
-    """Every family, sorted: the NAME of each NAME_options module in this package (none is imported)."""
-    return sorted(info.name[: -len(OPTIONS_SUFFIX)] for info in pkgutil.iter_modules(__path__)
-                  if not info.ispkg and info.name.endswith(OPTIONS_SUFFIX) and len(info.name) > len(OPTIONS_SUFFIX))
+    """Every family, sorted: each sub-package here that has an ``options`` module (nothing is imported)."""
+    return sorted(info.name for info in pkgutil.iter_modules(__path__)
+                  if info.ispkg and (Path(info.module_finder.path) / info.name / f"{OPTIONS_MODULE}.py").is_file())
 
 
 def options_class_name(name: str) -> str:
@@ -61,7 +53,7 @@ def options_class(name: str) -> Type[FamilyOptions]:
     """The dataclass of family ``name``'s ``unit.options``, from its light options module (no lerobot)."""
     if name not in family_names():
         raise RecipeError(f"unknown policy family {name!r}", f"families: {', '.join(family_names())}")
-    module = importlib.import_module(f"{__name__}.{name}{OPTIONS_SUFFIX}")
+    module = importlib.import_module(f"{__name__}.{name}.{OPTIONS_MODULE}")
     cls = getattr(module, options_class_name(name), None)
     if not (isinstance(cls, type) and is_dataclass(cls) and issubclass(cls, FamilyOptions)):
         # A family written against the convention wrongly: a bug in zoo, so no ZooError (it keeps its traceback).
@@ -74,12 +66,12 @@ def load_family(name: str) -> ModuleType:
     if name not in family_names():
         raise ExportError(f"unknown policy family {name!r}", f"families: {', '.join(family_names())}")
     try:
-        return importlib.import_module(f"{__name__}.{name}")
+        return importlib.import_module(f"{__name__}.{name}.{UNIT_MODULE}")
     except ImportError as exc:
         raise ExportError(
             f"policy family {name!r} cannot be imported: {exc}",
             "building export units needs the policies extra: pip install 'zoo[policies]' (Python >= 3.12); "
-            "lowering and verifying a saved run (`python -m zoo.lower RUN_DIR`) does not",
+            "lowering and verifying a saved run (`python -m zoo lower RUN_DIR`) does not",
         ) from exc
 
 

@@ -2,7 +2,7 @@
 
 A family module (``zoo/policies/<family>.py``) builds the unit from a pulled checkpoint. Everything the
 later steps need to lower and verify *without* lerobot (input specs, dynamic dims, host settings) is plain
-data here and is written to the run folder as JSON, so ``python -m zoo.lower RUN_DIR`` works on a Jetson.
+data here and is written to the run folder as JSON, so ``python -m zoo lower RUN_DIR`` works on a Jetson.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from ..errors import ExportError
+from zoo.core.errors import ExportError
 
 META = torch.device("meta")
 # Seeded fill: each tensor is cut into chunks of this many elements, each drawn from its own generator, so

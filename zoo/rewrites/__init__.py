@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Tuple
 
-from ..errors import RecipeError
-from . import registry
-from .autocast_regions import inline_autocast_regions
-from .complex_to_real import replace_complex_with_real
-from .detach import replace_detach_with_alias
-from .float64_constants import split_float64_constants
-from .fused_sdpa import replace_fused_sdpa_with_sdpa
-from .narrow_float64 import narrow_float64
-from .output_safety import make_outputs_safe
-from .result import RewriteResult
-from .view_copies import replace_view_copies
-from .triton_unsafe_sdpa import replace_triton_unsafe_sdpa_with_math
+from zoo.core.errors import RecipeError
+from zoo.rewrites import registry
+from zoo.rewrites.autocast_regions import inline_autocast_regions
+from zoo.rewrites.complex_to_real import replace_complex_with_real
+from zoo.rewrites.detach import replace_detach_with_alias
+from zoo.rewrites.float64_constants import split_float64_constants
+from zoo.rewrites.fused_sdpa import replace_fused_sdpa_with_sdpa
+from zoo.rewrites.narrow_float64 import narrow_float64
+from zoo.rewrites.output_safety import make_outputs_safe
+from zoo.rewrites.result import RewriteResult
+from zoo.rewrites.view_copies import replace_view_copies
+from zoo.rewrites.triton_unsafe_sdpa import replace_triton_unsafe_sdpa_with_math
 
 # The order the pipeline applies them in, whatever order a recipe lists them in: autocast regions are inlined
 # first so that the complex rewrite sees the rope ops they hide; float64 is narrowed (float32 pairs) or its

@@ -51,11 +51,11 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .graph import (Declined, aten, calls, copy_program, decline_on_failure, fake_eval, fetch_attr, finish,
+from zoo.rewrites.graph import (Declined, aten, calls, copy_program, decline_on_failure, fake_eval, fetch_attr, finish,
                     getitem_users, graph_modules_under, insert_call, is_inference_program, no_autocast, op_name,
                     require_program, rewriting, same_dtypes)
-from .registry import rewrite
-from .result import RewriteResult, log, source_line
+from zoo.rewrites.registry import rewrite
+from zoo.rewrites.result import RewriteResult, log, source_line
 
 NAME = "inline_autocast_regions"
 

@@ -53,8 +53,8 @@ from torch.export.graph_signature import InputKind, InputSpec
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from ..errors import RecipeError
-from .graph import (
+from zoo.core.errors import RecipeError
+from zoo.rewrites.graph import (
     GraphBuilder,
     decline_on_failure,
     fake_mode_of,
@@ -76,8 +76,8 @@ from .graph import (
     tensors_in,
     written_args,
 )
-from .registry import rewrite
-from .result import RewriteResult, source_line
+from zoo.rewrites.registry import rewrite
+from zoo.rewrites.result import RewriteResult, source_line
 
 NAME = "replace_complex_with_real"
 aten = torch.ops.aten

@@ -25,10 +25,10 @@ from typing import List
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from .graph import (aten, calls, copy_program, decline_on_failure, finish, graph_modules_under,
+from zoo.rewrites.graph import (aten, calls, copy_program, decline_on_failure, finish, graph_modules_under,
                     is_inference_program, op_name, require_program)
-from .registry import rewrite
-from .result import RewriteResult, source_line
+from zoo.rewrites.registry import rewrite
+from zoo.rewrites.result import RewriteResult, source_line
 
 NAME = "replace_detach_with_alias"
 

@@ -25,10 +25,10 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import Graph, Node
 
-from .graph import (decline_on_failure, fake_mode_of, rebuild_program, replace_state, require_program, rewriting,
+from zoo.rewrites.graph import (decline_on_failure, fake_mode_of, rebuild_program, replace_state, require_program, rewriting,
                     set_value, state_tensor, state_writer)
-from .registry import rewrite
-from .result import RewriteResult
+from zoo.rewrites.registry import rewrite
+from zoo.rewrites.result import RewriteResult
 
 NAME = "split_float64_constants"
 _aten = torch.ops.aten

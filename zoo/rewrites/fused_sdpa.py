@@ -36,10 +36,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from .graph import (Declined, aten, calls, copy_program, decline_on_failure, finish, getitem_users,
+from zoo.rewrites.graph import (Declined, aten, calls, copy_program, decline_on_failure, finish, getitem_users,
                     graph_modules_under, insert_call, op_name, require_program, rewriting, same_size)
-from .registry import rewrite
-from .result import RewriteResult, log, source_line
+from zoo.rewrites.registry import rewrite
+from zoo.rewrites.result import RewriteResult, log, source_line
 
 NAME = "replace_fused_sdpa_with_sdpa"
 _FUSED = (

@@ -41,8 +41,8 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 
-from ..errors import ExportError
-from .result import RewriteResult, source_line
+from zoo.core.errors import ExportError
+from zoo.rewrites.result import RewriteResult, source_line
 
 aten = torch.ops.aten
 

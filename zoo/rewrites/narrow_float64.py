@@ -26,11 +26,11 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
-from .graph import (Declined, GraphBuilder, decline_on_failure, fake_mode_of, graph_modules_under, hop_bodies,
+from zoo.rewrites.graph import (Declined, GraphBuilder, decline_on_failure, fake_mode_of, graph_modules_under, hop_bodies,
                     is_hop, op_name, rebuild_program, replace_state, require_program, rewriting, set_value,
                     state_writer)
-from .registry import rewrite
-from .result import RewriteResult, source_line
+from zoo.rewrites.registry import rewrite
+from zoo.rewrites.result import RewriteResult, source_line
 
 NAME = "narrow_float64"
 F64, F32 = torch.float64, torch.float32

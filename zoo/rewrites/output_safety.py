@@ -32,10 +32,10 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import OutputKind
 from torch.fx import Node
 
-from .graph import (Declined, aten, copy_program, decline_on_failure, finish, insert_call, op_name, require_program,
+from zoo.rewrites.graph import (Declined, aten, copy_program, decline_on_failure, finish, insert_call, op_name, require_program,
                     rewriting)
-from .registry import rewrite
-from .result import RewriteResult
+from zoo.rewrites.registry import rewrite
+from zoo.rewrites.result import RewriteResult
 
 NAME = "make_outputs_safe"
 

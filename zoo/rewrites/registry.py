@@ -13,7 +13,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Tuple
 
-from .result import RewriteResult
+from zoo.rewrites.result import RewriteResult
 
 Rewrite = Callable[..., RewriteResult]
 

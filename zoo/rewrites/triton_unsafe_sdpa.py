@@ -46,10 +46,10 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from .graph import (Declined, aten, calls, copy_program, decline_on_failure, finish, graph_modules_under,
+from zoo.rewrites.graph import (Declined, aten, calls, copy_program, decline_on_failure, finish, graph_modules_under,
                     insert_call, op_name, require_program, rewriting, same_size, schema_get)
-from .registry import rewrite
-from .result import RewriteResult
+from zoo.rewrites.registry import rewrite
+from zoo.rewrites.result import RewriteResult
 
 NAME = "replace_triton_unsafe_sdpa_with_math"
 _SDPA = aten.scaled_dot_product_attention.default

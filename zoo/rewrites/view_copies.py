@@ -39,10 +39,10 @@ from typing import Dict, List, Tuple
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from .graph import (Declined, aten, calls, copy_program, decline_on_failure, finish, getitem_users,
+from zoo.rewrites.graph import (Declined, aten, calls, copy_program, decline_on_failure, finish, getitem_users,
                     graph_modules_under, insert_call, op_name, require_program, rewriting, same_tensor_meta)
-from .registry import rewrite
-from .result import RewriteResult
+from zoo.rewrites.registry import rewrite
+from zoo.rewrites.result import RewriteResult
 
 NAME = "replace_view_copies"
 _SPLIT_SIZE = {aten.split.Tensor, aten.unsafe_split.Tensor}

@@ -13,9 +13,9 @@ Imports torch, safetensors and huggingface_hub only: no lerobot, transformers or
 
 from __future__ import annotations
 
-from ..errors import RunnerError
-from .base import PolicyRunner
-from .loading import BACKENDS, load, runner_families
-from .prompt import PromptEmbedding
+from zoo.core.errors import RunnerError
+from zoo.runner.base import PolicyRunner
+from zoo.runner.loading import BACKENDS, load, runner_families
+from zoo.runner.prompt import PromptEmbedding
 
 __all__ = ["BACKENDS", "PolicyRunner", "PromptEmbedding", "RunnerError", "load", "runner_families"]

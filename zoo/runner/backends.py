@@ -6,25 +6,21 @@ runners never see which one they drive:
   ``eager``     ``rewritten.<method>.pt2`` (what gets lowered) run by PyTorch, on the CPU or a GPU;
   ``artifact``  each method's ``.so`` and weights blob taken out of ``model.pte`` / ``aoti_cuda_blob.ptd`` as they
                 are on disk, run through torch's AOTI runner on the GPU in the ``.so``'s own input order, exactly
-                as verification runs them (zoo.verify).
+                as verification runs them (zoo.export.verify).
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+import contextlib
+from typing import Any, Dict, List, Sequence
 
 import torch
 from torch.export.passes import move_to_device_pass
 from torch.utils import _pytree as pytree
 
-from ..aoti_runner import AotiRunner
-from ..artifact import extract_method_files
-from ..errors import RunnerError
-from ..run_folder import RunFolder
-from ..verify import run_in_delegate_order
+from zoo.runtimes.aoti import aoti_runner_factory, run_in_delegate_order, shipped_runners
+from zoo.core.errors import RunnerError
+from zoo.contract.run_folder import RunFolder
 
 BACKENDS = ("eager", "artifact")
 
@@ -105,38 +101,30 @@ class ArtifactBackend(Backend):
     name = "artifact"
 
     def __init__(self, run: RunFolder, device: str, methods: Sequence[str]):
-        self._dir: Optional[Path] = None
-        self._runners: Dict[str, AotiRunner] = {}
+        self._stack = contextlib.ExitStack()
         if not str(device).startswith("cuda"):
             raise RunnerError(f"backend 'artifact' runs the compiled CUDA kernels; device {device!r} cannot",
                               "pass device='cuda' (on a machine with a GPU), or use backend='eager'")
         super().__init__(run, device)
         if not run.pte.is_file():
             raise RunnerError(f"{run.pte} is missing: the run was not lowered",
-                              "lower it on a GPU machine (`python -m zoo.lower RUN_DIR`), or use backend='eager'")
+                              "lower it on a GPU machine (`python -m zoo lower RUN_DIR`), or use backend='eager'")
         missing = [str(run.io_order_file(m)) for m in methods if not run.io_order_file(m).is_file()]
         if missing:
             raise RunnerError(f"{', '.join(missing)} missing: the compiled .so's input order is unknown",
-                              "lower the run (`python -m zoo.lower RUN_DIR`) or download the whole published folder")
+                              "lower the run (`python -m zoo lower RUN_DIR`) or download the whole published folder")
         self._orders = {m: run.io_order(m) for m in methods}
-        # The bytes that ship, taken out of model.pte / aoti_cuda_blob.ptd now (not copies left by lowering),
+        # The bytes that ship, taken out of model.pte / aoti_cuda_blob.ptd now (not copies left by lowering)
         # into a private temporary folder: a run may be a read-only Hub snapshot.
-        self._dir = Path(tempfile.mkdtemp(prefix="zoo-runner-so-"))
-        shipped = extract_method_files(run.pte, run.ptd if run.ptd.is_file() else None, self._dir)
-        for m in methods:
-            if m not in shipped:
-                raise RunnerError(f"{run.pte} holds no compiled .so for method {m!r}",
-                                  "lower the run again (`python -m zoo.lower RUN_DIR`)")
-            self._runners[m] = AotiRunner(shipped[m]["so"], shipped[m]["weights"], str(self.device))
+        self._runners: Dict[str, Any] = self._stack.enter_context(shipped_runners(
+            run.pte, run.ptd, methods, aoti_runner_factory, str(self.device), error=RunnerError))
 
     def _run(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
         return run_in_delegate_order(self._runners[method], self._orders[method], args)
 
     def close(self) -> None:
         self._runners = {}
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        self._stack.close()
 
     def __del__(self):  # the extracted .so files are only a cache of model.pte's bytes
         self.close()

@@ -8,7 +8,7 @@ policy itself takes and returns; ``runner.preprocessor`` / ``runner.postprocesso
 use around it, as in LeRobot's own loop.
 
 No lerobot, transformers or diffusers here: the family runners reproduce LeRobot's host loops from the numbers
-the export wrote into ``host_settings.json``, and read the run folder only through ``zoo.run_folder.RunFolder``.
+the export wrote into ``host_settings.json``, and read the run folder only through ``zoo.contract.run_folder.RunFolder``.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any, Dict, Optional, Union
 
 import torch
 
-from ..errors import RunnerError
-from ..run_folder import RunFolder
-from .backends import Backend
-from .processors import load_processors
-from .prompt import PromptEmbedding
+from zoo.core.errors import RunnerError
+from zoo.contract.run_folder import RunFolder
+from zoo.runner.backends import Backend
+from zoo.runner.processors import load_processors
+from zoo.runner.prompt import PromptEmbedding
 
 Batch = Dict[str, Any]
 

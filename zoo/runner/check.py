@@ -6,7 +6,7 @@ noise from the global generator inside its loop, so the episodes run one after t
 compared chunk by chunk:
 
 * float32: the runner's chunk against the reference's, relative L2 <= ``tolerance.float32``;
-* bf16 (zoo's bf16 rule, ``zoo.numerics.judge_low_precision``): the runner's bf16 chunk and the reference's own
+* bf16 (zoo's bf16 rule, ``zoo.core.numerics.judge_low_precision``): the runner's bf16 chunk and the reference's own
   bf16 chunk are both measured against a float32 reference episode; the runner may be at most
   ``tolerance.bf16_factor`` times as far from it as the reference's bf16 is, with cosine >= ``bf16_min_cosine``.
 
@@ -22,9 +22,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import RunnerError
-from ..numerics import compare, judge, judge_low_precision
-from ..report import format_table
+from zoo.core.errors import RunnerError
+from zoo.core.numerics import compare, judge, judge_low_precision
+from zoo.core.report import format_table
 
 Batch = Dict[str, Any]
 

@@ -15,9 +15,9 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..errors import RunnerError
-from .base import Batch, PolicyRunner
-from .processors import OBS_IMAGES_PREFIX, OBS_STATE
+from zoo.core.errors import RunnerError
+from zoo.runner.base import Batch, PolicyRunner
+from zoo.runner.processors import OBS_IMAGES_PREFIX, OBS_STATE
 
 
 class FastWAMRunner(PolicyRunner):

@@ -24,9 +24,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..errors import RunnerError
-from ..policies.lingbot_va_pool import HostSlotAllocator
-from .base import Batch, PolicyRunner
+from zoo.core.errors import RunnerError
+from zoo.runner.slots import HostSlotAllocator
+from zoo.runner.base import Batch, PolicyRunner
 
 
 class LingBotVARunner(PolicyRunner):

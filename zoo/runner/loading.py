@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List, Optional, Type, Union
 
-from ..errors import RunnerError
-from ..run_folder import RunFolder
-from .backends import BACKENDS, make_backend
-from .base import PolicyRunner
-from .fast_wam import FastWAMRunner
-from .lingbot_va import LingBotVARunner
+from zoo.core.errors import RunnerError
+from zoo.contract.run_folder import RunFolder
+from zoo.runner.backends import BACKENDS, make_backend
+from zoo.runner.base import PolicyRunner
+from zoo.runner.fast_wam import FastWAMRunner
+from zoo.runner.lingbot_va import LingBotVARunner
 
 # policy_type (host_settings.json) -> its host loop.
 RUNNERS: Dict[str, Type[PolicyRunner]] = {r.policy_type: r for r in (FastWAMRunner, LingBotVARunner)}

@@ -24,8 +24,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .. import atomic
-from ..errors import RunnerError
+from zoo.core import atomic
+from zoo.core.errors import RunnerError
 
 FORMAT = "zoo-observation-1"
 TASK = "task"

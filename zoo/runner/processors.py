@@ -18,8 +18,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from safetensors.torch import load_file
 
-from ..errors import RunnerError
-from ..run_folder import RunFolder
+from zoo.core.errors import RunnerError
+from zoo.contract.run_folder import RunFolder
 
 OBS_PREFIX = "observation."
 OBS_STATE = "observation.state"

@@ -1,0 +1,72 @@
+"""``python -m zoo lower RUN_DIR [KEY=VALUE ...]``: lower, audit and verify a saved run on this machine.
+
+It needs no lerobot: everything comes from the run folder the export step wrote (recipe.yaml, io_spec.json,
+rewritten.<method>.pt2 to lower, exported.<method>.pt2 as the eager reference, reference_fp32.<method>.pt2 for
+bf16). Steps (``zoo.export.stages``), each recorded into the run's report.json / report.md:
+  preflight  fallback kernels the programs need vs the target runtime (CPU; refuses before the compile)
+  lower      model.pte + aoti_cuda_blob.ptd, so/<method>.so + weights blob + io.json (needs a GPU)
+  audit      which ExecuTorch CUDA runtime releases can load each method's .so
+  verify     the shipped artifact against eager at every seed and size (needs a GPU), on torch's AOTI runner
+             and ExecuTorch's C++ runtime (--runtime; the runtime from --et-runner or $ZOO_ET_RUNNER)
+The new artifact is staged beside the run (the run's programs are hard-linked, not copied) and moved into place
+only once it has passed at least the stages the run had passed; a failed, interrupted or lesser attempt is kept
+in RUN_DIR/attempts/ and the run stays as it was.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from zoo.cli import common as cli
+from zoo.export.pipeline import lower_run
+from zoo.core.progress import setup_logging
+from zoo.export.verify_runtimes import add_runtime_arguments, runner_from_arguments, runtime_overrides
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = cli.parser(
+        "python -m zoo lower", __doc__.split("\n")[0].split(": ", 1)[1],
+        [cli.EXIT_OK, cli.EXIT_ERROR, cli.EXIT_MISMATCH, cli.EXIT_KEPT_ASIDE, cli.EXIT_INTERRUPTED],
+        {cli.EXIT_OK: "the run holds the new artifact: verified (lowered and audited with --no-verify)",
+         cli.EXIT_ERROR: "the run cannot be lowered here (no GPU, refused kernels, a damaged or missing file in "
+                         "the run folder, no zoo_runner for --runtime executorch, disk full): the message says "
+                         "which; the run is unchanged",
+         cli.EXIT_MISMATCH: "the artifact does not compute what eager PyTorch computes, or ExecuTorch's runtime "
+                            "failed to load or run it where the audit said it can"})
+    parser.add_argument("run_dir", type=Path, help="a run folder written by `python -m zoo.export`")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. lowering.max_mm_configs=4")
+    parser.add_argument("--no-verify", action="store_true", help="lower and audit only")
+    parser.add_argument("--verify-only", action="store_true", help="audit and verify the artifact already there")
+    add_runtime_arguments(parser)
+    parser.add_argument("--force", action="store_true",
+                        help="put the attempt in place even when the run had passed stages it did not (e.g. "
+                             "--no-verify over a verified run); a failed attempt never replaces a good run")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging, tracebacks, and dependency warnings on the terminal too")
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+
+    def command() -> int:
+        try:
+            with runner_from_arguments(args):
+                report = lower_run(args.run_dir, list(args.overrides) + runtime_overrides(args),
+                                   verify=not args.no_verify, lower=not args.verify_only, force=args.force,
+                                   verbose=args.verbose)
+        except BaseException as exc:
+            failed = getattr(exc, "zoo_report", None)
+            if failed is not None:  # the stage table of the attempt, then the error (cli.guarded)
+                cli.print_summary(failed, headline=False)
+            raise
+        cli.print_summary(report)
+        placement = report.get("placement") or {}
+        if not placement.get("placed", True):
+            return cli.EXIT_KEPT_ASIDE
+        return cli.EXIT_OK
+
+    return cli.guarded(command, args.verbose)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,317 @@
+"""One constant table for every method of a unit, so that their weight blobs are byte-identical and stored once.
+
+How an AOTInductor ``.so`` gets its weights (torch 2.11; file:line references in
+/work/coord/notes-12-weights.md):
+- its constants are Inductor's ``GraphLowering.constants``: the parameters, buffers and lifted constants the
+  lowered graph reads. Parameters the method does not use are dropped, and 1-D constants of at most 8 elements
+  and 0-d ones are inlined into the code (``GraphLowering.get_attr``);
+- ``constants_info_[i]`` and the weights blob follow that dict's order (``cpp_wrapper_cpu.py``,
+  ``codecache.py``): the blob is each constant's whole storage, one after another, with no padding when all
+  constants are on the GPU (64-byte padding when some are on the CPU);
+- the runtime reads the blob sequentially by ``constants_info_`` (``model_base.h``, ``load_constants``).
+
+So two methods of one unit carry different subsets of the weights in different orders: LingBot-VA's
+``video_step`` and ``action_step`` blobs share ~10 GB of transformer weights yet differ as byte strings, and
+the ``.ptd`` stores both.
+
+``sharing_groups`` first puts the methods that read mostly the same weights together; each group gets its own
+table. ``plan_constants`` makes one table for all methods of a group: every constant any of them reads (in a fixed
+order), except buffers some method mutates (a method's state stays its own) and names whose values differ
+between methods.
+``inductor_follows_plan``, active while a method is lowered, makes that method's constant table exactly the plan,
+adding what it does not read, followed by its own private constants. Methods without private constants then
+get byte-identical blobs: ``zoo.export.lower.assemble`` stores them once (both ``<method>_weights_blob`` keys naming one
+segment), and an ExecuTorch CUDA runtime with the per-FQN weight cache (1.3+, backend option
+``weight_sharing_across_methods``) finds every constant of the second method cached and loads no second copy.
+The cost: each method's ``.so`` also carries the other methods' few private weights.
+
+The hook changes Inductor's constant table between lowering and code generation; it checks that the Inductor
+it patches has the attributes it relies on, and records the table each compile ended with, so that the caller
+can check the result (``tables``) and the assembler can confirm the blobs came out identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterator, List, Mapping, Tuple
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from zoo.core.errors import LoweringError
+from zoo.rewrites.graph import state_tensor, state_writer
+
+_STATE_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
+                InputKind.CONSTANT_TENSOR: "constant"}
+# Two methods share a constant table when the weights both read are at least this share of the smaller one's
+# (``sharing_groups``).
+GROUP_MIN_SHARE = 0.5
+
+
+@dataclass
+class PlannedConstant:
+    fqn: str
+    kind: str  # parameter, buffer or constant
+    dtype: str
+    shape: List[int]
+    nbytes: int  # the storage's bytes: what the blob holds for it on a GPU
+    methods: List[str]  # the methods whose graphs read it
+
+
+@dataclass
+class ConstantPlan:
+    constants: List[PlannedConstant]
+    private: Dict[str, str] = field(default_factory=dict)  # fqn -> why each method keeps its own
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.constants)
+
+    @property
+    def read_nbytes(self) -> int:
+        """The planned bytes as the methods' own tables would carry them: each constant once per method that
+        reads it (what the methods' blobs hold together without the plan)."""
+        return sum(c.nbytes * len(c.methods) for c in self.constants)
+
+    def gpu_growth(self, methods: int) -> float:
+        """How much more GPU memory the plan costs on a runtime where every method loads its own blob (1.2):
+        each of ``methods`` blobs holds the whole plan instead of what that method reads; 0.0 for no growth."""
+        return methods * self.nbytes / self.read_nbytes - 1.0 if self.read_nbytes else 0.0
+
+    def fqns(self) -> List[str]:
+        return [c.fqn for c in self.constants]
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"constants": [asdict(c) for c in self.constants], "private": dict(self.private)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ConstantPlan":
+        return cls(constants=[PlannedConstant(**c) for c in data["constants"]], private=dict(data.get("private", {})))
+
+
+def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is b:
+        return True
+    if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
+        return False
+    if a.device == b.device and a.data_ptr() == b.data_ptr():
+        return True
+    return bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
+
+
+def plan_constants(programs: Mapping[str, ExportedProgram]) -> ConstantPlan:
+    """The constants that every method's ``.so`` should carry, in one order: each constant some method's graph
+    reads, in the order the methods (then their signatures) first read it; without buffers a method mutates
+    and names whose values differ between methods (those stay each method's own, listed in ``private``)."""
+    mutated: Dict[str, str] = {}
+    for method, program in programs.items():
+        placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+        for spec in program.graph_signature.input_specs:
+            node = placeholders.get(getattr(spec.arg, "name", None))
+            if spec.kind in _STATE_KINDS and node is not None and state_writer(program, spec, node) is not None:
+                mutated.setdefault(spec.target, method)
+    planned: Dict[str, PlannedConstant] = {}
+    values: Dict[str, torch.Tensor] = {}
+    private: Dict[str, str] = {}
+    for method, program in programs.items():
+        for fqn, kind, value in _read_state(program):
+            if fqn in mutated:
+                private[fqn] = f"buffer mutated by {mutated[fqn]}: each method keeps its own state"
+                continue
+            if fqn in private:
+                continue
+            if fqn not in planned:
+                planned[fqn] = PlannedConstant(fqn=fqn, kind=kind, dtype=str(value.dtype).replace("torch.", ""),
+                                               shape=list(value.shape), nbytes=_storage_bytes(value),
+                                               methods=[method])
+                values[fqn] = value
+            elif _same_value(values[fqn], value):
+                planned[fqn].methods.append(method)
+            else:
+                private[fqn] = f"{planned[fqn].methods[0]} and {method} hold different values under this name"
+                del planned[fqn], values[fqn]
+    # Every method's .so carries the whole plan, so every program must hold each planned tensor, with the same
+    # value (methods exported from one unit module hold all of its parameters and buffers, read or not).
+    for method, program in programs.items():
+        held = {spec.target: spec for spec in program.graph_signature.input_specs if spec.kind in _STATE_KINDS}
+        for fqn, entry in list(planned.items()):
+            if method in entry.methods:
+                continue
+            value = state_tensor(program, held[fqn]) if fqn in held else None
+            if not isinstance(value, torch.Tensor):
+                private[fqn] = f"{method}'s program does not hold it (not exported from the same unit module)"
+            elif not _same_value(values[fqn], value):
+                private[fqn] = f"{entry.methods[0]} and {method} hold different values under this name"
+            else:
+                continue
+            del planned[fqn], values[fqn]
+    return ConstantPlan(constants=list(planned.values()), private=private)
+
+
+def _storage_bytes(value: torch.Tensor) -> int:
+    """What a GPU blob holds for a constant: its whole storage."""
+    return int(value.untyped_storage().nbytes())
+
+
+def _read_state(program: ExportedProgram) -> Iterator[Tuple[str, str, torch.Tensor]]:
+    """(name, kind, tensor) of each state tensor (parameter, buffer, lifted constant) the method's graph reads,
+    in signature order."""
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    for spec in program.graph_signature.input_specs:
+        kind = _STATE_KINDS.get(spec.kind)
+        node = placeholders.get(getattr(spec.arg, "name", None))
+        if kind is None or node is None or not node.users or spec.target is None:
+            continue
+        value = state_tensor(program, spec)
+        if isinstance(value, torch.Tensor):
+            yield spec.target, kind, value
+
+
+def read_constants(program: ExportedProgram) -> Dict[str, int]:
+    """The state constants a method's graph reads: name -> the bytes of its storage, as
+    ``PlannedConstant.nbytes`` counts them."""
+    return {fqn: _storage_bytes(value) for fqn, _, value in _read_state(program)}
+
+
+def sharing_groups(reads: Mapping[str, Mapping[str, int]], min_share: float = GROUP_MIN_SHARE) -> List[List[str]]:
+    """The methods (``reads``: each method's ``read_constants``) in groups that each get one constant table.
+
+    Two methods are linked when the constants both read, by name, make up at least ``min_share`` of the bytes
+    the smaller of the two reads; a group is a set of linked methods (transitively), in the methods' order.
+    One table for a whole unit would make every method's ``.so`` carry every other method's weights: LingBot-VA's
+    streaming VAE encodes and its transformer steps read disjoint weights, so with one table for all four methods
+    the plan does not pay, and the transformer steps lost their shared copy too. Grouped, the two steps share
+    one table (~10 GB, stored once) and the two encodes another. ``plan_constants`` then checks the values
+    within each group."""
+    methods = list(reads)
+    parent = {m: m for m in methods}
+
+    def root(m: str) -> str:
+        while parent[m] != m:
+            m = parent[m]
+        return m
+
+    totals = {m: sum(reads[m].values()) for m in methods}
+    for i, a in enumerate(methods):
+        for b in methods[i + 1:]:
+            shared = sum(n for fqn, n in reads[a].items() if fqn in reads[b])
+            smaller = min(totals[a], totals[b])
+            if smaller and shared >= min_share * smaller and root(a) != root(b):
+                parent[root(b)] = root(a)
+    groups: Dict[str, List[str]] = {}
+    for m in methods:
+        groups.setdefault(root(m), []).append(m)
+    return list(groups.values())
+
+
+def plan_values(program: ExportedProgram, plan: ConstantPlan) -> Dict[str, torch.Tensor]:
+    """The plan's tensors as one method's program holds them (it holds every state tensor of its unit, used or
+    not). A plan constant the program lacks is an error: that method's ``.so`` could not carry it."""
+    specs = {spec.target: spec for spec in program.graph_signature.input_specs if spec.kind in _STATE_KINDS}
+    values: Dict[str, torch.Tensor] = {}
+    missing = []
+    for fqn in plan.fqns():
+        value = state_tensor(program, specs[fqn]) if fqn in specs else None
+        if isinstance(value, torch.Tensor):
+            values[fqn] = value
+        else:
+            missing.append(fqn)
+    if missing:
+        raise LoweringError(f"the program lacks {len(missing)} constant(s) of the shared plan, e.g. {missing[:3]}",
+                            "export every method from the same unit module, so that each program holds all of "
+                            "its parameters and buffers")
+    return values
+
+
+# --- the Inductor hook -----------------------------------------------------------------------------------------
+
+
+def _check_inductor() -> Any:
+    from torch._inductor.graph import GraphLowering
+
+    needed = ("codegen_with_cpp_wrapper", "allocate_non_dup_const_name")
+    if not all(hasattr(GraphLowering, name) for name in needed):
+        raise LoweringError(f"this torch's Inductor has no GraphLowering.{'/'.join(needed)} "
+                            f"(torch {torch.__version__})",
+                            "the shared constant plan is written for torch 2.11; lower without it "
+                            "(every method then stores its own weights)")
+    return GraphLowering
+
+
+def _graph_device(graph: Any) -> torch.device:
+    for value in graph.constants.values():
+        if value.device.type != "cpu":
+            return value.device
+    if "cuda" in getattr(graph, "device_types", ()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def apply_plan(graph: Any, plan: ConstantPlan, values: Mapping[str, torch.Tensor]) -> List[Dict[str, Any]]:
+    """Make ``graph.constants`` (an Inductor GraphLowering after ``run``) the plan's constants in plan order,
+    adding those the graph does not read, then the graph's own others; returns the resulting table."""
+    by_fqn = {graph.allocated_constant_name.get(name, name): name for name in graph.constants}
+    planned_fqns = set(plan.fqns())
+    adopted = set()
+    for name, value in list(graph.constants.items()):
+        if graph.allocated_constant_name.get(name, name) in planned_fqns:
+            continue
+        # A constant Inductor named by position (``_tensor_constant0``: ExecuTorch hands lifted constants over
+        # under new names) that holds a planned constant's value stands for it: it takes the planned FQN, so
+        # every method lists it under the same name, and no second copy is added.
+        for entry in plan.constants:
+            if entry.fqn not in by_fqn and _same_value(values[entry.fqn], value):
+                graph.allocated_constant_name[name] = entry.fqn
+                by_fqn[entry.fqn] = name
+                adopted.add(name)
+                break
+    device = _graph_device(graph)
+    added = set()
+    for entry in plan.constants:
+        if entry.fqn in by_fqn:
+            continue
+        tensor = values[entry.fqn].detach().to(device)
+        # Registers the tensor under the name Inductor gives a graph input of this target, or returns the
+        # constant that already is this very tensor (tied weights).
+        name = graph.allocate_non_dup_const_name(entry.fqn, tensor)
+        by_fqn[entry.fqn] = name
+        if graph.allocated_constant_name.get(name) == entry.fqn and name not in added:
+            added.add(name)
+            (graph.named_parameters if entry.kind == "parameter" else graph.named_buffers)[name] = tensor
+    planned = [by_fqn[e.fqn] for e in plan.constants if e.fqn in by_fqn]
+    ordered = {name: graph.constants[name] for name in planned}
+    ordered.update((name, value) for name, value in graph.constants.items() if name not in ordered)
+    graph.constants.clear()
+    graph.constants.update(ordered)  # in place: codegen and the blob writer both read this dict
+    return [{"name": name, "fqn": graph.allocated_constant_name.get(name, name), "dtype": str(value.dtype),
+             "shape": list(value.shape), "nbytes": _storage_bytes(value),
+             "planned": name in planned, "added": name in added, "adopted": name in adopted}
+            for name, value in graph.constants.items()]
+
+
+@contextlib.contextmanager
+def inductor_follows_plan(plan: ConstantPlan, values: Mapping[str, torch.Tensor]) -> Iterator[List[List[Dict]]]:
+    """While active, every AOT compile's constant table is the plan (see ``apply_plan``).
+
+    Yields a list that gets one table per AOT compile, in the order the ``.so`` holds its constants.
+    """
+    graph_class = _check_inductor()
+    missing = [fqn for fqn in plan.fqns() if fqn not in values]
+    if missing:
+        raise LoweringError(f"no values for {len(missing)} planned constant(s), e.g. {missing[:3]}",
+                            "take them from the method's program with plan_values")
+    tables: List[List[Dict[str, Any]]] = []
+    original = graph_class.codegen_with_cpp_wrapper
+
+    def codegen_with_cpp_wrapper(self, *args, **kwargs):
+        if getattr(self, "aot_mode", False) and not getattr(self, "is_const_graph", False):
+            tables.append(apply_plan(self, plan, values))
+        return original(self, *args, **kwargs)
+
+    graph_class.codegen_with_cpp_wrapper = codegen_with_cpp_wrapper
+    try:
+        yield tables
+    finally:
+        graph_class.codegen_with_cpp_wrapper = original

@@ -1,0 +1,224 @@
+"""The policy check: does the artifact, driven the way the policy drives its model, give the policy's actions?
+
+The runner (``zoo.runner``) over a run folder against LeRobot's own policy built from the same checkpoint, with
+its own processors, driven as a LeRobot control loop drives it (preprocessor, ``select_action``, postprocessor).
+Both get the same seeded synthetic observation sequence (``zoo.runner.observations``: drawn from the policy's
+input features in host_settings.json, covering ``policy_check.chunks`` whole action chunks and the first action
+of one more) and run one episode each from ``torch.manual_seed(policy_check.seed)``. The runner embeds the task
+from a prompt file made by the family's ``embed_prompt`` (what ``python -m zoo prompt`` writes); LeRobot runs its
+own UMT5. Judged per action chunk (``zoo.runner.check``):
+
+  on the CPU (during export)           eager runner (the rewritten programs) vs LeRobot eager; float32 units
+                                       only: relative L2 <= policy_check.tolerance.float32 (bf16 units are
+                                       skipped here: see BF16_ON_CPU)
+  on the GPU (after verification)      artifact runner (the shipped .so files) vs LeRobot eager on the GPU in full
+                                       float32 (no TF32); float32 units: <= tolerance.gpu_float32; bf16 units:
+                                       zoo's bf16 rule against LeRobot's float32 episode, drawn from the bf16
+                                       episode's noise where the family says how (``float32_reference_noise``)
+
+LeRobot is the policies extra: where it is missing (a Jetson), the check is skipped with that reason. Families
+without an action loop (Llama) have no policy to check: "not applicable".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, List, Optional
+
+import torch
+
+from zoo.export import pull as hub
+from zoo import policies
+from zoo.export import tiny_hub
+from zoo.core.errors import PolicyCheckFailed, PullError
+from zoo.core.progress import Progress, say
+from zoo.core.report import RunReport, timed_stage
+from zoo.contract.run_folder import RunFolder
+from zoo.runner import load as load_runner
+from zoo.runner.check import ChunkTolerance, PolicyCheckResult, ProcessedPolicy, compare_episode, run_episode
+from zoo.runner.loading import RUNNERS
+from zoo.runner.observations import synthetic_observations
+from zoo.export.verify import full_fp32_precision
+
+# The stage each place of the check is recorded under, and its label.
+STAGES = {"cpu": ("policy_check", "policy check: eager runner against LeRobot's select_action on the CPU"),
+          "gpu": ("policy_check_gpu", "policy check: artifact runner against LeRobot's select_action on the GPU")}
+NEEDS_LEROBOT = "needs lerobot (the policies extra: pip install 'zoo[policies]'), which is not installed here"
+# The CPU check runs for float32 units only. LeRobot's Fast-WAM keeps its float32 regions with
+# torch.amp.autocast("cuda"), which does nothing on the CPU, so its bf16 policy fails there ("mat1 and mat2 must
+# have the same dtype"); and bf16 episodes on the CPU take minutes. The GPU stage runs the bf16 check.
+BF16_ON_CPU = ("the CPU policy check runs for float32 units only ({dtype} here): LeRobot's bf16 policies need "
+               "the GPU (Fast-WAM's float32 regions use CUDA autocast) and bf16 episodes on the CPU take minutes; "
+               "the GPU policy check covers {dtype} units")
+
+
+def not_applicable(recipe) -> Optional[str]:
+    """Why the recipe's family has no policy check, or None when it has one."""
+    families = sorted(r.family for r in RUNNERS.values())
+    if recipe.family in families:
+        return None
+    return (f"not applicable: {recipe.family} has no action loop (zoo.runner drives "
+            f"{', '.join(families)})")
+
+
+def why_skipped(recipe, where: str) -> Optional[str]:
+    """Why the policy check does not run here (``where``: "cpu" or "gpu"), or None when it runs."""
+    reason = not_applicable(recipe)
+    if reason:
+        return reason
+    if not getattr(recipe.policy_check, where):
+        return f"policy_check.{where} is false in the recipe"
+    if where == "cpu" and recipe.unit.dtype != "float32":
+        return BF16_ON_CPU.format(dtype=recipe.unit.dtype)
+    if importlib.util.find_spec("lerobot") is None:
+        return NEEDS_LEROBOT
+    return None
+
+
+@contextlib.contextmanager
+def checkpoint_in_reach(recipe) -> Iterator[Path]:
+    """The recipe's checkpoint folder, with the repos its policy loads by Hub id (VAE, UMT5, tokenizer) in
+    reach: for a tiny recipe, zoo's fabricated cache served offline; otherwise the user's Hub cache as it is."""
+    if recipe.source.fabricate and not recipe.source.local_dir:
+        with tiny_hub.fabricated_hub(recipe):
+            yield hub.pull(recipe).path
+    else:
+        yield hub.pull(recipe).path
+
+
+def episode(run: RunFolder, recipe) -> List[dict]:
+    """The observation sequence both sides get: enough for ``policy_check.chunks`` chunks and one more action."""
+    settings = run.read_host_settings()
+    runner_class = RUNNERS[settings["policy_type"]]
+    check = recipe.policy_check
+    return synthetic_observations(settings, runner_class.episode_steps(settings, check.chunks), check.seed, check.task)
+
+
+def check_run(run: RunFolder, recipe, checkpoint: Path, *, backend: str = "eager",
+              device: str = "cpu") -> PolicyCheckResult:
+    """The runner over ``run`` (``backend`` on ``device``) against LeRobot's policy from ``checkpoint`` on the
+    same device. Returns the per-chunk result; raising on a failed one is the caller's."""
+    family = policies.load_family(recipe.family)
+    check = recipe.policy_check
+    observations = episode(run, recipe)
+    low_precision = recipe.unit.dtype != "float32"
+    tolerance = ChunkTolerance(float32=check.tolerance.float32 if device == "cpu" else check.tolerance.gpu_float32,
+                               bf16_factor=check.tolerance.bf16_factor,
+                               bf16_min_cosine=check.tolerance.bf16_min_cosine)
+    precision = full_fp32_precision() if device != "cpu" else contextlib.nullcontext()
+    # Past 10 s a bar shows which episode runs: LeRobot's (and its float32 one for bf16), then the runner's.
+    with precision, tempfile.TemporaryDirectory(prefix="zoo-policy-check-") as tmp, \
+            Progress("policy check", 3 if low_precision else 2, unit="episode") as bar:
+        bar.begin("LeRobot's select_action")
+        policy, pre, post = _lerobot_policy(family, checkpoint, recipe, device)
+        # The runner reads the task's embedding from a prompt file, as a deployed runner does.
+        prompt = family.embed_prompt(policy, check.task).save(Path(tmp) / "task.safetensors")
+        reference_low = run_episode(ProcessedPolicy(policy, pre, post), observations, check.seed)
+        bar.advance()
+        del policy, pre, post
+        expected = reference_low
+        if low_precision:  # the bf16 rule's float32 reference: LeRobot's policy in float32, same checkpoint
+            bar.begin("LeRobot's select_action in float32")
+            recipe32 = copy.deepcopy(recipe)
+            recipe32.unit.dtype = "float32"
+            policy, pre, post = _lerobot_policy(family, checkpoint, recipe32, device)
+            # A family whose policy draws its noise in the policy dtype has the float32 episode draw the
+            # low-precision episode's noise, so the rule measures precision, not another sample.
+            same_noise = getattr(family, "float32_reference_noise", None)
+            with same_noise(getattr(torch, recipe.unit.dtype)) if same_noise else contextlib.nullcontext():
+                expected = run_episode(ProcessedPolicy(policy, pre, post), observations, check.seed)
+            bar.advance()
+            del policy, pre, post
+        bar.begin(f"the {backend} runner")
+        runner = load_runner(run, backend=backend, device=device)
+        try:
+            runner.load_prompt(prompt)
+            result = compare_episode(runner, expected, observations, seed=check.seed, tolerance=tolerance,
+                                     min_chunks=check.chunks, reference_low=reference_low if low_precision else None)
+        finally:
+            runner.close()
+        bar.advance()
+    result.notes.append(f"{len(observations)} observations: seeded synthetic (seed {check.seed}) from the policy's "
+                        f"input features; task {check.task!r}")
+    return result
+
+
+def _lerobot_policy(family, checkpoint: Path, recipe, device: str):
+    """LeRobot's policy and processors; the repos it loads by Hub id missing here is a PullError, not a bug."""
+    try:
+        return family.lerobot_policy(checkpoint, recipe, device=device)
+    except OSError as exc:  # huggingface_hub / diffusers / transformers: a repo not in the cache while offline
+        raise PullError(f"LeRobot's policy cannot be built here: {type(exc).__name__}: {exc}",
+                        "the policy loads its VAE, text encoder and tokenizer by Hub id: run with network once, or "
+                        "bring them with `python -m zoo bundle`") from None
+
+
+def policy_check_step(run: RunFolder, recipe, report: RunReport, *, where: str = "cpu",
+                      checkpoint: Optional[Path] = None) -> Optional[PolicyCheckResult]:
+    """The policy check as a stage of the run (``where``: "cpu" during export, "gpu" after verification),
+    recorded under report section ``policy_check`` (``{"cpu": ..., "gpu": ...}``). A failed check raises
+    ``PolicyCheckFailed`` with the table; a check that cannot run here (not applicable, turned off, no lerobot,
+    the policy's Hub repos out of reach) is recorded as skipped with the reason."""
+    stage, label = STAGES[where]
+    reason = why_skipped(recipe, where)
+    if reason:
+        record_skip(report, where, reason)
+        return None
+    backend, device = ("eager", "cpu") if where == "cpu" else ("artifact", "cuda")
+    try:
+        with timed_stage(report, stage, label) as facts:
+            in_reach = contextlib.nullcontext(checkpoint) if checkpoint is not None else checkpoint_in_reach(recipe)
+            with in_reach as folder:
+                result = check_run(run, recipe, folder, backend=backend, device=device)
+            report.record("policy_check", {**(report.get("policy_check") or {}), where: result.as_dict()})
+            print(result.table())
+            facts["failure"] = failed_detail(result)
+            require_passed(result)
+            facts["detail"] = passed_detail(result)
+    except PullError as exc:
+        if report.get("failed_stage") == stage:  # timed_stage marked it failed; it is a skip, the run goes on
+            report.data.pop("failed_stage")
+        record_skip(report, where, f"LeRobot's reference is out of reach: {exc.message}")
+        return None
+    return result
+
+
+def record_skip(report: RunReport, where: str, reason: str) -> None:
+    """Record the check at ``where`` as skipped (or not applicable), with the reason, in stage and section."""
+    stage, label = STAGES[where]
+    report.record("policy_check", {**(report.get("policy_check") or {}), where: skipped_record(reason)})
+    report.stage(stage, "skipped", None, reason)
+    say(f"{label}: skipped ({reason})")
+
+
+def require_passed(result: PolicyCheckResult) -> None:
+    if not result.ok:
+        exc = PolicyCheckFailed(
+            f"policy check failed: {len(result.failures())} of {len(result.rows)} action chunks differ from "
+            f"LeRobot's select_action beyond tolerance (runner {result.backend} on {result.device})\n"
+            + result.table(),
+            "the runner or the artifact does not reproduce the policy: the table shows which chunk; check "
+            "host_settings.json (schedules, shifts, guidance) and the verification report")
+        exc.result = result  # type: ignore[attr-defined]
+        raise exc
+
+
+def skipped_record(reason: str) -> dict:
+    return {"status": "not applicable" if reason.startswith("not applicable") else "skipped", "reason": reason}
+
+
+def passed_detail(result: PolicyCheckResult) -> str:
+    worst = max(r.rel_l2 for r in result.rows)
+    return (f"{len(result.rows)} chunks ({sum(r.steps for r in result.rows)} actions) within tolerance, "
+            f"worst rel L2 {worst:.2e} ({result.backend}, {result.device}, {result.rule})")
+
+
+def failed_detail(result: Optional[Any]) -> Optional[str]:
+    if isinstance(result, PolicyCheckResult):
+        return f"{len(result.failures())} of {len(result.rows)} action chunks out of tolerance"
+    return None
+

@@ -1,0 +1,539 @@
+"""The README.md model card of a published artifact, rendered from its manifest, I/O spec and host settings.
+
+Every number on the card comes from manifest.json, whose tables were copied from the run report that the
+verification and audit steps wrote: the card never states a figure nothing measured.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional
+
+from zoo.export.audit import how_blobs_are_stored
+from zoo.contract.chunk_latency import measured_for
+from zoo.core.report import markdown_table
+from zoo.contract.run_folder import SOURCE_JSON
+from zoo.runner import runner_families
+
+BASE_TAGS = ("robotics", "lerobot", "executorch", "cuda", "aoti", "zoo")
+RUNNER = "executor_runner --model_path model.pte --data_path aoti_cuda_blob.ptd"
+
+# What each family's export unit is, and what the deploy side keeps (DESIGN.md, "Policy facts").
+FAMILY_NOTES: Dict[str, Dict[str, str]] = {
+    "lingbot_va": {
+        "title": "LingBot-VA",
+        "computes": "one transformer step of each stream (`video_step`, `action_step`) of the LingBot-VA "
+                    "Wan2.2-style DiT, attending over a fixed, zero-initialised KV pool that each call writes at "
+                    "slots the host chooses, plus a validity mask, and the streaming Wan2.2 VAE encode of the "
+                    "observed frames (`vae_encode_first`, `vae_encode`) with its causal feature cache passed in and "
+                    "out",
+        "host": "the per-chunk loop of video and action denoising steps, the sampler, classifier-free guidance, "
+                "KV-slot bookkeeping and the normalisation processors (all in `zoo.runner`, no PyTorch model "
+                "code), and the UMT5 text encoder, run once per prompt on a workstation (`python -m zoo prompt`)",
+        "outputs": "Each call returns one step's transformer prediction; the host's sampler turns the steps into "
+                   "an action chunk, which the unnormaliser in `processors/` maps back to robot units.",
+    },
+    "fast_wam": {
+        "title": "Fast-WAM",
+        "computes": "the Fast-WAM action chunk's GPU work: the Wan2.2 VAE encode of the first frame "
+                    "(`vae_encode`), the video expert's prefill on its latent, and the action expert's denoising "
+                    "steps against the cached keys and values (one `action_step` per Euler step, or the unrolled "
+                    "`action_chunk`); the noise is an input",
+        "host": "the Euler loop, noise generation and the normalisation processors (all in `zoo.runner`, no "
+                "PyTorch model code), and the UMT5 text encoder, run once per prompt on a workstation "
+                "(`python -m zoo prompt`)",
+        "outputs": "The output is the normalised action chunk; the unnormaliser in `processors/` maps it back "
+                   "to robot units.",
+    },
+    "llama": {
+        "title": "Llama-style transformer",
+        "computes": "a Llama-architecture transformer whose rotary embeddings were rewritten from complex "
+                    "numbers to real pairs",
+        "host": "tokenisation, sampling and any cache management",
+        "outputs": "The outputs are what the source model's forward pass returns for the given positions.",
+    },
+}
+
+
+# --- license and base model -----------------------------------------------------------------------------
+
+_LICENSE_KEYS = ("license", "license_name", "license_link")
+
+
+def source_card_metadata(local_dir: Optional[str]) -> Dict[str, Any]:
+    """The YAML header of the source checkpoint's README.md, when the checkpoint is on this machine."""
+    if not local_dir:
+        return {}
+    readme = Path(local_dir) / "README.md"
+    if not readme.is_file():
+        return {}
+    from huggingface_hub.repocard import metadata_load
+
+    try:
+        return metadata_load(readme) or {}
+    except ValueError:  # a header that is not a mapping: treat as absent, the recipe may still name a license
+        return {}
+
+
+def resolve_license(source: Mapping[str, Any], recipe: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
+    """The artifact's license: the source checkpoint's (source.json, else its local model card), else the
+    recipe's ``publish.license``. None when nobody states one; the card then says so.
+    """
+    checkpoint = source.get("local_dir") or source.get("path")  # a local folder, or the pulled snapshot
+    for origin, meta in ((SOURCE_JSON, source),
+                         ("the source checkpoint's model card", source_card_metadata(checkpoint))):
+        if meta.get("license"):
+            found = {k: meta[k] for k in _LICENSE_KEYS if meta.get(k)}
+            found["from"] = origin
+            return found
+    chosen = ((recipe.get("publish") or {}).get("license"))
+    if chosen:
+        return {"license": chosen, "from": "recipe publish.license"}
+    return None
+
+
+def is_fabricated(manifest: Mapping[str, Any]) -> bool:
+    return bool(((manifest.get("recipe") or {}).get("source") or {}).get("fabricate")
+                or (manifest.get("source") or {}).get("fabricated"))
+
+
+def card_metadata(manifest: Mapping[str, Any]) -> Dict[str, Any]:
+    """The Hub metadata header. base_model is the source repo when it was pulled from the Hub (it has a
+    commit): a local folder's repo id is only a label, and fabricated test checkpoints exist only in zoo's
+    local cache; either would be a dangling link on the Hub."""
+    recipe = manifest.get("recipe") or {}
+    family = recipe.get("family")
+    meta: Dict[str, Any] = {}
+    lic = manifest.get("license") or {}
+    for key in _LICENSE_KEYS:
+        if lic.get(key):
+            meta[key] = lic[key]
+    source = manifest.get("source") or {}
+    if source.get("repo_id") and source.get("commit") and not is_fabricated(manifest):
+        meta["base_model"] = source["repo_id"]
+    meta["library_name"] = "executorch"
+    meta["pipeline_tag"] = "robotics"
+    meta["tags"] = list(BASE_TAGS) + ([family.replace("_", "-")] if family else [])
+    return meta
+
+
+# --- rendering ------------------------------------------------------------------------------------------
+
+
+def _num(x: Any, fmt: str) -> str:
+    return "n/a" if x is None else format(float(x), fmt)
+
+
+def human_size(n: float) -> str:
+    """Decimal units, as the Hub shows file sizes."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000.0
+    return f"{n:.1f} GB"
+
+
+def row_output(row: Mapping[str, Any]) -> str:
+    """The output a verification row compares (``output``, or ``name`` as ``numerics.Comparison`` calls it)."""
+    return str(row.get("output", row.get("name", "?")))
+
+
+def _sizes(sizes: Any) -> str:
+    if isinstance(sizes, Mapping):
+        return ", ".join(f"{k}={v}" for k, v in sizes.items()) or "static"
+    return "static" if sizes in (None, "", [], {}) else str(sizes)
+
+
+def _shape(shape: List[Any]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def audit_rows(audit: Any) -> List[Dict[str, Any]]:
+    """Release rows of the runtime audit, ``{release, version, loadable, missing}``, sorted by release.
+
+    Read from zoo.export.audit's record: ``releases`` maps a release to ``{"version", "loadable", "missing":
+    {method: [symbols]}}`` (``AuditResult.as_dict``), or only to its version, the per-method ``missing``
+    lists then being under ``methods`` (the dataclass fields of ``AuditResult``).
+    """
+    if not isinstance(audit, Mapping):
+        return []
+    releases = audit.get("releases", audit)
+    methods = [m for m in audit.get("methods") or [] if isinstance(m, Mapping)]
+    rows = []
+    for release, entry in releases.items():
+        if isinstance(entry, Mapping) and "loadable" in entry:
+            version, loadable = entry.get("version"), bool(entry["loadable"])
+            missing = entry.get("missing_symbols", entry.get("missing", []))
+            if isinstance(missing, Mapping):
+                missing = sorted({s for per_method in missing.values() for s in per_method})
+        elif isinstance(entry, str) and methods:
+            missing = sorted({s for m in methods for s in (m.get("missing") or {}).get(release, [])})
+            version, loadable = entry, not missing
+        else:
+            continue  # facts beside the per-release table
+        row = {"release": str(release), "version": version, "loadable": loadable, "missing": list(missing or [])}
+        if isinstance(entry, Mapping) and str(entry.get("tested", "")).startswith("by running"):
+            row["tested"] = entry["tested"]  # a runtime built from this release ran the artifact
+        rows.append(row)
+
+    def key(row: Dict[str, Any]) -> List[int]:
+        return [int(p) if p.isdigit() else 0 for p in row["release"].split(".")]
+
+    return sorted(rows, key=key)
+
+
+def _audit_section(manifest: Mapping[str, Any]) -> List[str]:
+    rows = audit_rows(manifest.get("audit"))
+    out = ["## Which ExecuTorch runtimes can load it", ""]
+    if not rows:
+        return out + ["No runtime audit was recorded for this artifact.", ""]
+    out += ["zoo read every `aoti_torch_*` symbol the compiled kernels need and compared them with what each "
+            "ExecuTorch CUDA runtime release exports. A missing symbol means the runtime fails to load the "
+            "artifact.", ""]
+    out.append(markdown_table([["ExecuTorch release", "loads this artifact", "missing runtime symbols"]]
+                              + [[r["release"] + (f" ({r['version']})" if r.get("version") else ""),
+                                  "yes" if r["loadable"] else "no",
+                                  ", ".join(f"`{s}`" for s in r["missing"]) or "none"] for r in rows]))
+    loadable = [r["release"] for r in rows if r["loadable"]]
+    out += ["", (f"Loadable by: ExecuTorch {', '.join(loadable)}." if loadable else
+                 "No audited ExecuTorch release can load this artifact: it needs the runtime symbols listed above."),
+            ""]
+    tested = [r for r in rows if r.get("tested")]
+    if tested:
+        out += [" ".join(f"ExecuTorch {r['release']} was also tested {r['tested']} (its own C++ runtime with the CUDA "
+                         "backend, built from source, running this `.pte` + `.ptd`)." for r in tested)
+                + " The other releases are inferred from the symbols.", ""]
+    return out + _weights_section(manifest.get("audit"), manifest.get("verification"))
+
+
+def _weights_section(audit: Any, verification: Any = None) -> List[str]:
+    """What the audit found about the weights: the .ptd against one copy, and per release what loading every
+    method costs on the GPU (zoo.export.audit's ``weights`` and per-release ``caveats``; read in each runtime's source,
+    as the audit says)."""
+    if not isinstance(audit, Mapping):
+        return []
+    weights = audit.get("weights") if isinstance(audit.get("weights"), Mapping) else None
+    releases = audit.get("releases") if isinstance(audit.get("releases"), Mapping) else {}
+    caveats = [(str(r), c) for r, entry in releases.items() if isinstance(entry, Mapping)
+               for c in entry.get("caveats") or []]
+    if not weights and not caveats:
+        return []
+    out = ["### The weights on each runtime", ""]
+    if weights:
+        blobs = weights.get("blobs") or {}
+        one, ptd = weights.get("gpu_bytes_one_copy"), weights.get("ptd_bytes")
+        out.append(f"- `aoti_cuda_blob.ptd` is {_gib(ptd)}; the methods' weights blobs: "
+                   + ", ".join(f"`{m}` {_gib(b)}" for m, b in blobs.items()) + ".")
+        if len(blobs) > 1:
+            stored = how_blobs_are_stored(weights.get("segments") or [], quote="`")
+            out.append(f"- {stored[0].upper()}{stored[1:]}."
+                       + f" With every method loaded, a runtime that gives each method its own copy holds "
+                         f"{_gib(weights.get('gpu_bytes_each_method_own_copy'))} of weights on the GPU; one copy "
+                         f"is {_gib(one)}.")
+    out += [f"- ExecuTorch {release}: {text}" for release, text in caveats]
+    # Measured, where verification ran the artifact on ExecuTorch's own runtime: what loading every method took.
+    runtimes = verification.get("runtimes") if isinstance(verification, Mapping) else None
+    et = runtimes.get("executorch") if isinstance(runtimes, Mapping) else None
+    if isinstance(et, Mapping) and isinstance(et.get("gpu_loaded_mib"), (int, float)):
+        runtime = " ".join(filter(None, ["ExecuTorch", et.get("release")]))
+        out.append(f"- Measured: {runtime} took {et['gpu_loaded_mib']:.0f} MiB of GPU memory after loading every "
+                   "method (zoo_runner, `cudaMemGetInfo` before and after).")
+    return out + [""]
+
+
+def _gib(n: Any) -> str:
+    return f"{n / 2**30:.2f} GiB" if isinstance(n, (int, float)) else "?"
+
+
+def _verification_section(manifest: Mapping[str, Any]) -> List[str]:
+    ver = manifest.get("verification") or {}
+    gpu = (manifest.get("gpu") or {}).get("verified_on") or {}
+    rows = ver.get("rows") or []
+    out = ["## Verification", "",
+           f"The shipped kernels and weights were run on {_gpu_words(gpu)} with fresh seeded random inputs and "
+           f"compared with eager PyTorch in the source's highest precision. Result: "
+           f"**{'passed' if ver.get('passed') else 'FAILED'}** ({sum(1 for r in rows if r.get('ok'))} of "
+           f"{len(rows)} comparisons within tolerance).", ""]
+    if any(r.get("runtime") == "executorch" for r in rows):
+        out += ["The artifact ran on two runtimes: torch's AOTI runner over each method's compiled `.so` and "
+                "weights, and ExecuTorch's own C++ runtime with its CUDA backend, loading `model.pte` + "
+                "`aoti_cuda_blob.ptd` as a deployment does.", ""]
+    table = [["runtime", "method", "seed", "sizes", "output", "max abs diff", "relative L2", "cosine", "ok"]]
+    for r in rows:
+        table.append([RUNTIME_WORDS.get(r.get("runtime", "aoti"), r.get("runtime", "")), r.get("method", ""),
+                      r.get("seed", ""), _sizes(r.get("sizes")), row_output(r),
+                      _num(r.get("max_abs"), ".3e"), _num(r.get("rel_l2"), ".3e"), _num(r.get("cosine"), ".8f"),
+                      "yes" if r.get("ok") else f"no: {r.get('why', '')}"])
+    return out + [markdown_table(table), ""]
+
+
+# How the card names the runtimes verification ran the artifact on (zoo.export.verify rows' "runtime").
+RUNTIME_WORDS = {"aoti": "AOTI runner (libtorch)", "executorch": "ExecuTorch runtime"}
+
+
+# Where each policy check ran, in the order the card shows them (zoo.export.policy_check records {"cpu": .., "gpu": ..}).
+POLICY_CHECK_PLACES = (("cpu", "On the CPU, during export: the eager runner (the rewritten programs) against "
+                               "LeRobot's policy in eager PyTorch."),
+                       ("gpu", "On the GPU, after verification: the runner over the shipped kernels against "
+                               "LeRobot's policy in eager PyTorch on the same GPU."))
+
+
+def _policy_check_section(manifest: Mapping[str, Any]) -> List[str]:
+    """The policy check: the runner against LeRobot's own select_action, over a sequence of action chunks."""
+    family = (manifest.get("recipe") or {}).get("family", "")
+    out = ["## Policy check", ""]
+    if family not in runner_families():
+        return out + [f"Not applicable: a {FAMILY_NOTES.get(family, {}).get('title', family)} has no action loop, so "
+                      "there is no policy to drive; the verification above is the whole check.", ""]
+    record = manifest.get("policy_check") or {}
+    out += ["`zoo.runner` drove the artifact's methods the way LeRobot's policy drives its model and was compared "
+            "with LeRobot's own `select_action`, built from the same checkpoint with the same seed, noise and a "
+            "seeded synthetic sequence of observations, chunk by chunk (relative L2 of each action chunk; bf16 "
+            "artifacts by zoo's bf16 rule against LeRobot in float32).", ""]
+    for place, words in POLICY_CHECK_PLACES:
+        part = record.get(place)
+        if not part:
+            out += [f"- {words} Not recorded.", ""]
+            continue
+        if "rows" not in part:
+            out += [f"- {words} {str(part.get('status', 'skipped')).capitalize()}: {part.get('reason', '')}.", ""]
+            continue
+        rows = part.get("rows") or []
+        out += [f"- {words} Result: **{'passed' if part.get('passed') else 'FAILED'}** "
+                f"({sum(1 for r in rows if r.get('ok'))} of {len(rows)} chunks within tolerance, "
+                f"{part.get('rule', 'float32')} rule, seed {part.get('seed')}).", ""]
+        table = [["chunk", "actions", "max abs diff", "relative L2", "cosine", "bound", "ok"]]
+        for r in rows:
+            table.append([r.get("chunk", ""), r.get("steps", ""), _num(r.get("max_abs"), ".3e"),
+                          _num(r.get("rel_l2"), ".3e"), _num(r.get("cosine"), ".8f"), _num(r.get("bound"), ".1e"),
+                          "yes" if r.get("ok") else f"no: {r.get('why', '')}"])
+        out += [markdown_table(table), ""]
+    return out
+
+
+def _chunk_latency_section(manifest: Mapping[str, Any]) -> List[str]:
+    """How long a whole action chunk takes, observation to actions: the recipe's measured entry
+    (``zoo.contract.chunk_latency``), or that none was measured."""
+    recipe = manifest.get("recipe") or {}
+    if recipe.get("family", "") not in runner_families():
+        return []
+    name = recipe.get("name", "")
+    out = ["## Speed of a whole action chunk", ""]
+    entry = measured_for(name)
+    if not entry:
+        return out + [f"Not measured for the `{name}` recipe yet (`scripts/bench_chunk.py --record` on a GPU).", ""]
+    ratios = entry.get("ratios") or {}
+    out += [f"Measured for the `{name}` recipe on {entry.get('gpu')} ({entry.get('measured')}), {entry.get('dtype')}, "
+            f"{entry.get('weights')}: the latency of a chunk depends on the architecture and sizes, not on the "
+            "weights' values. One `select_action` call that predicts a chunk of "
+            f"{entry.get('actions_per_chunk')} actions, everything from the observation to the actions (the VAE "
+            "encode, every DiT step, classifier-free guidance, the host loop; the prompt's text embedding is made "
+            f"once, outside). Command: `{entry.get('command')}`.", ""]
+    labels = {"runner": "`zoo.runner` on this artifact (torch's AOTI runner)",
+              "eager": "LeRobot's `select_action`, eager PyTorch",
+              "compile": "LeRobot's `select_action`, DiT blocks `torch.compile`d"}
+    table = [["", "ms per chunk: median (p10-p90)", "actions per second"]]
+    for key, label in labels.items():
+        c = (entry.get("candidates") or {}).get(key)
+        table.append([label, f"{c['median_ms']:.1f} ({c['p10_ms']:.1f}-{c['p90_ms']:.1f})" if c else "not measured",
+                      f"{c['actions_per_second']:.1f}" if c else "-"])
+    out += [markdown_table(table), ""]
+    out += [f"Runner / eager: {_num(ratios.get('runner/eager'), '.2f')}; runner / torch.compile: "
+            f"{_num(ratios.get('runner/compile'), '.2f')}.", ""]
+    return out
+
+
+def _runner_section(manifest: Mapping[str, Any], repo_id: str) -> List[str]:
+    """The three lines of Python that replace a LeRobot policy in a control loop."""
+    family = (manifest.get("recipe") or {}).get("family", "")
+    if family not in runner_families():
+        return []
+    return ["## How to run it from Python", "",
+            "`zoo.runner` has LeRobot's policy interface over the artifact (no lerobot, transformers or diffusers "
+            "needed): `batch` is the observation dict a LeRobot environment gives, with the same keys, and the "
+            "action comes back in robot units (the processors in `processors/` are applied).", "",
+            "```python",
+            "import zoo.runner",
+            f'runner = zoo.runner.load("{repo_id}", backend="artifact")  # eager: the rewritten programs, CPU or GPU',
+            "runner.reset()",
+            "action = runner.select_action(batch)",
+            "```", "",
+            "The task's text embedding is computed once per prompt, on a workstation with lerobot: "
+            f'`python -m zoo prompt RUN_DIR "pick up the bowl" -o task.safetensors`, then '
+            '`runner.load_prompt("task.safetensors")`. From a shell: `python -m zoo act RUN_DIR --observation '
+            "obs.safetensors --prompt task.safetensors --backend artifact` prints one action chunk.", ""]
+
+
+def _gpu_words(gpu: Mapping[str, Any]) -> str:
+    if not gpu or not (gpu.get("name") or gpu.get("compute_capability")):
+        return "a GPU that was not recorded"
+    cap = gpu.get("compute_capability")
+    sm = f" (compute capability {cap}, sm_{cap.replace('.', '')})" if cap else ""
+    return f"{gpu.get('name') or 'an unnamed GPU'}{sm}"
+
+
+def io_methods(io_spec: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Per-method inputs and outputs of io_spec.json (``{"methods": {name: {"inputs", "outputs"}}, ...}``)."""
+    methods = io_spec.get("methods")
+    return methods if isinstance(methods, Mapping) else {}
+
+
+def _computes_section(manifest: Mapping[str, Any], io_spec: Mapping[str, Any], note: Mapping[str, str]) -> List[str]:
+    recipe = manifest.get("recipe") or {}
+    out = ["## What the artifact computes", ""]
+    if recipe.get("description"):
+        out += [recipe["description"], ""]
+    if note:
+        dtype = io_spec.get("dtype") or (recipe.get("unit") or {}).get("dtype", "float32")
+        out += [f"The artifact is {note['computes']}, compiled for the GPU with ExecuTorch's CUDA backend "
+                f"(AOTInductor). Compute dtype: `{dtype}`.", ""]
+    table = [["method", "inputs (name: dtype shape)", "outputs"]]
+    for method, spec in io_methods(io_spec).items():
+        inputs = "<br>".join(f"`{i['name']}`: {i['dtype']} {_shape(i['shape'])}" for i in spec.get("inputs", []))
+        table.append([f"`{method}`", inputs, ", ".join(f"`{o}`" for o in spec.get("outputs", []))])
+    out += [markdown_table(table), ""]
+    dynamic = io_spec.get("dynamic") or recipe.get("dynamic") or {}
+    if dynamic:
+        out += ["Dynamic dimensions (any size in the range is accepted): "
+                + ", ".join(f"`{k}` in [{v['min']}, {v['max']}]" for k, v in dynamic.items()) + ".", ""]
+    if note:
+        out += [note["outputs"], ""]
+    return out
+
+
+def _host_section(host_settings: Mapping[str, Any], processors: List[str], note: Mapping[str, str]) -> List[str]:
+    out = ["## What stays on the host", ""]
+    if note:
+        out.append(f"Not in the artifact: {note['host']}.")
+    out += ["The deploy side drives the artifact with these settings (`host_settings.json`):", ""]
+    if host_settings:
+        out += [markdown_table([["setting", "value"]]
+                               + [[f"`{k}`", f"`{json.dumps(v)}`"] for k, v in host_settings.items()]), ""]
+    else:
+        out += ["none (`host_settings.json` is empty): the artifact needs nothing from the host besides its inputs.",
+                ""]
+    if processors:
+        out += ["The policy's normalisation processors, copied unchanged from the source checkpoint: "
+                + ", ".join(f"`{p}`" for p in processors) + ".", ""]
+    return out
+
+
+def runtime_ref(manifest: Mapping[str, Any]) -> Dict[str, Any]:
+    """The ExecuTorch git ref to build the runner from: the release the artifact was exported with when the
+    audit says it loads it, else the first audited release that does; ``loadable`` False when none does and
+    None when no audit was recorded."""
+    exported = str((manifest.get("versions") or {}).get("executorch") or "1.2.0").split("+")[0]
+    rows = audit_rows(manifest.get("audit"))
+    loadable = [r for r in rows if r["loadable"]]
+
+    def same_release(release: str) -> bool:
+        return exported.split(".")[:len(release.split("."))] == release.split(".")
+
+    if not rows or not loadable or any(same_release(r["release"]) for r in loadable):
+        return {"ref": f"v{exported}", "release": exported, "loadable": bool(loadable) if rows else None}
+    first = loadable[0]
+    version = first.get("version") or first["release"]
+    # Without an exact version, a release line ("1.4") is built from its release branch.
+    ref = f"v{version}" if version.count(".") >= 2 else f"release/{version}"
+    return {"ref": ref, "release": version, "loadable": True}
+
+
+def _run_section(manifest: Mapping[str, Any], repo_id: str, io_spec: Mapping[str, Any]) -> List[str]:
+    runtime = runtime_ref(manifest)
+    exported = str((manifest.get("versions") or {}).get("executorch") or "?").split("+")[0]
+    methods = list(io_methods(io_spec))
+    out = ["## How to run it with ExecuTorch", "",
+           f"Exported with ExecuTorch {exported}. ExecuTorch's CUDA runtime is built from source with the CUDA "
+           "backend (a CUDA toolkit, and a Python with torch at configure time, are needed); "
+           + {True: f"this builds ExecuTorch {runtime['release']}, which the audit above says loads the artifact:",
+              False: "no audited release loads this artifact (see the audit above), so the runner below fails to "
+                     "load it until a runtime provides the missing symbols:",
+              None: f"this builds ExecuTorch {runtime['release']}, the release it was exported with:",
+              }[runtime["loadable"]], "",
+           "```bash",
+           f"hf download {repo_id} --local-dir artifact && cd artifact",
+           f"git clone --branch {runtime['ref']} --recursive https://github.com/pytorch/executorch.git ../executorch",
+           "cmake -S ../executorch -B ../executorch/cmake-out -DCMAKE_BUILD_TYPE=Release \\",
+           "  -DEXECUTORCH_BUILD_CUDA=ON -DEXECUTORCH_BUILD_EXECUTOR_RUNNER=ON \\",
+           "  -DEXECUTORCH_BUILD_EXTENSION_DATA_LOADER=ON -DEXECUTORCH_BUILD_EXTENSION_FLAT_TENSOR=ON",
+           "cmake --build ../executorch/cmake-out --target executor_runner -j",
+           f"../executorch/cmake-out/{RUNNER}",
+           "```", "",
+           "`--data_path` hands the runtime the weights blob; the compiled kernels are inside `model.pte`. "
+           "Without `--inputs` the runner feeds all-ones tensors; pass raw little-endian tensor files, one per "
+           "input in the order of the table above, as `--inputs a.bin,b.bin`."]
+    if len(methods) > 1:
+        out += ["", f"This program has {len(methods)} methods ({', '.join(f'`{m}`' for m in methods)}). The runner "
+                    "runs the first unless told otherwise: runner builds that have the `--method_name` flag take "
+                    "`--method_name METHOD`; in your own C++ host, load each method by name through "
+                    "`executorch::extension::Module`."]
+    return out + [""]
+
+
+def _provenance_section(manifest: Mapping[str, Any]) -> List[str]:
+    recipe = manifest.get("recipe") or {}
+    source = manifest.get("source") or {}
+    versions = manifest.get("versions") or {}
+    built = (manifest.get("gpu") or {}).get("built_for") or {}
+    overrides = manifest.get("overrides") or []
+    out = ["## How it was made", "",
+           f"- Recipe `{recipe.get('name', '?')}`" + (f" with overrides {', '.join(f'`{o}`' for o in overrides)}"
+                                                       if overrides else " without overrides") + ".",
+           f"- Source checkpoint `{source.get('repo_id')}`, revision `{source.get('revision')}`, commit "
+           f"`{source.get('commit')}`.",
+           f"- Kernels compiled for {_gpu_words(built)}. Other GPU architectures need a fresh export.",
+           "- Versions: " + ", ".join(f"{k} {v if v else 'not installed'}" for k, v in versions.items()) + ".",
+           ""]
+    rewrites = manifest.get("rewrites") or {}
+    table = [["method", "rewrite", "changed", "rewritten nodes"]]
+    for method, results in rewrites.items():
+        for r in results:
+            counts = ", ".join(f"{op} x{n}" for op, n in (r.get("counts") or {}).items()) or "none"
+            state = f"declined: {r['declined']}" if r.get("declined") else ("yes" if r.get("changed") else "no")
+            table.append([f"`{method}`", r.get("rewrite", "?"), state, counts])
+    if len(table) > 1:
+        out += ["Graph rewrites applied before lowering:", "", markdown_table(table), ""]
+    return out
+
+
+def _files_section(manifest: Mapping[str, Any]) -> List[str]:
+    files = manifest.get("files") or {}
+    table = [["file", "size", "sha256"]] + [[f"`{rel}`", human_size(int(f["size"])), f"`{f['sha256']}`"]
+                                            for rel, f in sorted(files.items())]
+    return ["## Files", "", "`manifest.json` holds all of the above in machine-readable form.", "",
+            markdown_table(table), ""]
+
+
+def render_card(manifest: Mapping[str, Any], io_spec: Mapping[str, Any], host_settings: Mapping[str, Any],
+                repo_id: str) -> str:
+    """The whole README.md: Hub metadata header, then what it is, where it runs, how well, how to run it."""
+    from huggingface_hub import ModelCardData
+
+    recipe = manifest.get("recipe") or {}
+    source = manifest.get("source") or {}
+    note = FAMILY_NOTES.get(recipe.get("family", ""), {})
+    processors = sorted(rel for rel in (manifest.get("files") or {}) if rel.startswith("processors/"))
+    header = ModelCardData(**card_metadata(manifest)).to_yaml()
+    title = note.get("title", recipe.get("family", "policy"))
+    out = ["---", header, "---", "", f"# {repo_id}", "",
+           f"{title} exported to an ExecuTorch CUDA artifact (`model.pte` + `aoti_cuda_blob.ptd`) by zoo from "
+           f"[`{source.get('repo_id')}`](https://huggingface.co/{source.get('repo_id')}) at commit "
+           f"`{source.get('commit')}`, and verified against eager PyTorch on a GPU before publishing.", ""]
+    if is_fabricated(manifest):
+        out += ["> **Test artifact.** The weights are seeded random numbers in the source's file layout, made by "
+                "zoo to exercise the pipeline; the outputs mean nothing.", ""]
+    lic = manifest.get("license")
+    out += [f"License: `{lic['license']}` (from {lic['from']})." if lic else
+            "License: none stated by the source checkpoint or the recipe; ask the source's authors before reuse.", ""]
+    out += _computes_section(manifest, io_spec, note)
+    out += _host_section(host_settings, processors, note)
+    out += _audit_section(manifest)
+    out += _verification_section(manifest)
+    out += _policy_check_section(manifest)
+    out += _chunk_latency_section(manifest)
+    out += _runner_section(manifest, repo_id)
+    out += _run_section(manifest, repo_id, io_spec)
+    out += _provenance_section(manifest)
+    out += _files_section(manifest)
+    return "\n".join(out).rstrip() + "\n"

@@ -1,0 +1,128 @@
+"""Checks of an artifact across the two runtimes (torch's AOTI runner and ExecuTorch's C++ runtime), for
+``scripts/gpu_runtime_check.py`` and the GPU box.
+
+- ``summary_rows``: a two-runtime verification (``zoo.export.verify`` rows, as report.json holds them) as one short
+  table: per method, runtime, seed and size, the worst relative L2 and cosine over the outputs, and pass;
+  ``result_passed``: one run folder's checks (verification, sequence, latency) together.
+- ``pool_sequence``: LingBot-VA's "io" KV-pool layout over a sequence of calls in ONE zoo_runner process, each
+  call's ``X_next`` outputs fed to the next call's ``X`` inputs inside the runner, against the exported programs
+  run eagerly with the same feeding (issue 14, item 4).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from zoo.contract.releases import executorch as et_runtime
+from zoo.export import verify
+from zoo.policies.base import InputSpec
+from zoo.contract.run_folder import RunFolder
+
+# LingBot-VA's two DiT methods, which read and write the one KV pool (the "io" layout hands it over via the host)
+POOL_METHODS = ("video_step", "action_step")
+
+
+def summary_rows(recipe_name: str, verification: Dict[str, Any]) -> List[List[Any]]:
+    """(recipe, method, runtime, seed/sizes, worst rel L2, worst cosine, pass) per method, runtime, seed and size;
+    one row for a runtime that produced none (not run, expected by the audit, or failed)."""
+    groups: Dict[tuple, Dict[str, Any]] = {}
+    for r in verification.get("rows", []):
+        key = (r["method"], r["runtime"], f"{r['seed']}/{verify._sizes_text(r['sizes'])}")
+        g = groups.setdefault(key, {"rel_l2": 0.0, "cosine": 1.0, "ok": True, "why": ""})
+        if not (r["tolerance"] == 0.0 and r["ok"]):  # exact (integer) outputs carry no error to report
+            g["rel_l2"] = math.nan if math.isnan(r["rel_l2"]) or math.isnan(g["rel_l2"]) else max(g["rel_l2"],
+                                                                                                 r["rel_l2"])
+            g["cosine"] = min(g["cosine"], r["cosine"])
+        if not r["ok"]:
+            g["ok"], g["why"] = False, g["why"] or f"{r['output']}: {r['why']}"
+    rows = [[recipe_name, m, rt, case, f"{g['rel_l2']:.2e}", f"{g['cosine']:.6f}",
+             "ok" if g["ok"] else "FAIL " + g["why"][:60]] for (m, rt, case), g in groups.items()]
+    rows.sort(key=lambda row: (row[1], row[3], row[2]))
+    for name, outcome in verification.get("runtimes", {}).items():
+        status = outcome.get("status", verify.RAN)
+        if status != verify.RAN:
+            words = verify._status_text(outcome)
+            rows.append([recipe_name, "(all)", name, "-", "-", "-",
+                         words if status != verify.FAILED else "FAIL " + words])
+    return rows
+
+
+def verification_passed(verification: Dict[str, Any]) -> bool:
+    """Every row within tolerance and no runtime failed unexpectedly (verification's own verdict)."""
+    return bool(verification.get("passed"))
+
+
+def result_passed(res: Dict[str, Any]) -> bool:
+    ok = "verification_error" not in res and "latency_error" not in res
+    if "verification" in res:
+        ok = ok and verification_passed(res["verification"])
+    seq = res.get("sequence")
+    if seq is not None and "skipped" not in seq:
+        ok = ok and seq.get("passed") is True
+    return ok and all(row[name].get("ok") for row in res.get("latency", []) for name in ("executorch", "aoti"))
+
+
+def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str = "cuda",
+                  require_cuda: bool = True, methods: Sequence[str] = POOL_METHODS) -> Dict[str, Any]:
+    """video_step/action_step alternating, each call's ``X_next`` outputs fed to the next call's ``X`` inputs,
+    in one zoo_runner process; the exported programs run eagerly with the same feeding are the reference."""
+    io_spec = run.read_io_spec()
+    per_method = io_spec.get("methods", io_spec)
+    # the methods that share the pool, alternating; the recipe's other methods (the VAE encodes) keep no pool
+    methods = [m for m in methods if m in recipe.unit.methods]
+    if len(methods) < 2:
+        return {"skipped": f"{recipe.name}: not both of {', '.join(POOL_METHODS)} among its methods"}
+    specs = {m: [InputSpec(**d) for d in per_method[m]["inputs"]] for m in methods}
+    outputs = {m: list(per_method[m]["outputs"]) for m in methods}
+    # input i of method m takes the previous call's output named "<input name>_next" (k_pool <- k_pool_next)
+    stateful = {m: [i for i, spec in enumerate(specs[m]) if spec.name + "_next" in outputs[m]] for m in methods}
+    if not all(stateful.values()):
+        return {"skipped": f"{recipe.name}: no method passes state in and out (X -> X_next); layout is not io"}
+    order = [methods[s % len(methods)] for s in range(steps)]
+
+    def source(s: int, i: int) -> int:
+        return outputs[order[s - 1]].index(specs[order[s]][i].name + "_next")
+
+    sizes = verify.size_cases(io_spec, recipe)[0]
+    drawn = []
+    for s, m in enumerate(order):
+        used = {d: sizes[d] for spec in specs[m] for d in spec.shape if isinstance(d, str)}
+        drawn.append(verify.draw_inputs(specs[m], used, seed=s, method=m))
+    low = recipe.unit.dtype == "bfloat16"
+    plan = []
+    for s, m in enumerate(order):
+        inputs: List[Any] = list(drawn[s])
+        for i in stateful[m]:  # zero state to start with, as the host does (the pool is zero-initialised)
+            inputs[i] = torch.zeros_like(drawn[s][i]) if s == 0 else (s - 1, source(s, i))
+        plan.append((m, inputs))
+    result = et_runtime.run_plan(run.pte, run.ptd if run.ptd.exists() else None, plan, executable=runner,
+                                 require_cuda=require_cuda)
+
+    def eager_chain(kind: str, cast) -> List[List[torch.Tensor]]:
+        modules = {m: verify._eager_module(run.program(kind, m), device) for m in methods}
+        outs: List[List[torch.Tensor]] = []
+        with torch.no_grad(), verify.full_fp32_precision():
+            for s, m in enumerate(order):
+                inputs = [cast(t).to(device) for t in drawn[s]]
+                for i in stateful[m]:
+                    inputs[i] = torch.zeros_like(inputs[i]) if s == 0 else outs[-1][source(s, i)]
+                outs.append(verify._flat_tensors(modules[m](*inputs)))
+        return outs
+
+    want = eager_chain("exported", lambda t: t)
+    want32 = eager_chain("reference_fp32", verify._to_fp32) if low else None
+    rows = []
+    for s, m in enumerate(order):
+        got = [t.to(device) for t in result.outputs[s] if t is not None]
+        judged = verify.compare_outputs(outputs[m], got, want[s], recipe.verify.tolerance,
+                                        ref_fp32=want32[s] if want32 else None)
+        for c, bound, facts in judged:
+            rows.append({"step": s, "method": m, "output": c.name, "rel_l2": c.rel_l2, "cosine": c.cosine,
+                         "max_abs": c.max_abs, "tolerance": bound, "ok": c.ok, "why": c.why})
+    return {"recipe": recipe.name, "steps": order, "step_ms": result.step_ms, "rows": rows,
+            "passed": bool(rows) and all(r["ok"] for r in rows), "load_ms": result.summary.get("load_ms"),
+            "gpu_loaded_mib": result.summary.get("gpu_loaded_mib")}

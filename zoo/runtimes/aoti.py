@@ -1,0 +1,128 @@
+"""Running a method's compiled ``.so`` and weights blob, exactly as shipped, through torch's AOTI runner.
+
+The ``.so`` AOTInductor builds for ExecuTorch does not link libtorch: it imports its ``aoti_torch_*`` runtime
+functions by name. Python loads libtorch with RTLD_LOCAL, so those names are invisible to a library opened
+later and the runner fails with "undefined symbol: aoti_torch_...". Re-opening libtorch_cpu and libtorch_cuda
+with RTLD_GLOBAL|RTLD_NOLOAD (the trick ExecuTorch's own CUDA runtime plays on its shim library) makes them
+visible without loading anything new. This runs the shipped kernels on libtorch's shims; pair it with the
+symbol audit (zoo.export.audit), which checks the names against ExecuTorch's runtimes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from pathlib import Path
+import shutil
+import tempfile
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Type, Union
+
+import torch
+
+from zoo.contract.artifact import extract_method_files, reusable_method_files
+from zoo.core.errors import NoGpuError, VerificationFailed, ZooError, first_line
+
+_PROMOTED = False
+
+
+def promote_libtorch_global() -> None:
+    """Make libtorch's ``aoti_torch_*`` functions visible to libraries opened after this call."""
+    global _PROMOTED
+    if _PROMOTED:
+        return
+    lib_dir = Path(torch.__file__).resolve().parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cuda.so"):
+        path = lib_dir / name
+        if path.exists():
+            # RTLD_NOLOAD: only change the flags of the copy already loaded, never load a second one.
+            ctypes.CDLL(str(path), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+    _PROMOTED = True
+
+
+def load_weights(container, weights_path: Union[str, Path, None]) -> bool:
+    """Give a runner the constants its .so was built without; False when there are none to give.
+
+    A method without constants has an empty weights blob, and the runner cannot mmap an empty file ("mmap()
+    failed", seen on an H200), so an empty blob is skipped. ``update_constant_buffer_from_blob`` is bound in
+    torch 2.11 although missing from ``_aoti.pyi``.
+    """
+    if not weights_path or Path(weights_path).stat().st_size == 0:
+        return False
+    container.update_constant_buffer_from_blob(str(weights_path))
+    return True
+
+
+class AotiRunner:
+    """One method's ``.so`` with its weights blob loaded, ready to run on ``device`` (a CUDA device)."""
+
+    def __init__(self, so_path: Union[str, Path], weights_path: Union[str, Path, None], device: str = "cuda"):
+        if not torch.cuda.is_available():
+            raise NoGpuError("running the compiled .so needs a CUDA device and none is visible",
+                             "verify on the machine with the GPU (`python -m zoo lower RUN_DIR`)")
+        promote_libtorch_global()
+        self.so_path = Path(so_path)
+        try:
+            self._runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(self.so_path), 1, device)
+            load_weights(self._runner, weights_path)
+        except RuntimeError as exc:
+            raise VerificationFailed(f"torch's AOTI runner cannot load {self.so_path}: {exc}",
+                                     "the .so and its weights blob must come from one lowering, run with the torch "
+                                     f"version that compiled them (this is {torch.__version__})") from exc
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Run with inputs in the .so's own order; returns its outputs in its own order."""
+        return list(self._runner.run([t.contiguous() for t in inputs]))
+
+
+# (method, .so path, weights blob path or None, device) -> an object whose run(inputs) returns outputs,
+# both in the .so's own order.
+RunnerFactory = Callable[[str, Path, Optional[Path], str], Any]
+
+
+def aoti_runner_factory(method: str, so: Path, weights: Optional[Path], device: str) -> AotiRunner:
+    return AotiRunner(so, weights, device)
+
+
+def run_in_delegate_order(runner: Any, order: Dict[str, Any], inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Run a method's .so: ``inputs`` in the method's signature order are handed over in the delegate's order
+    (``so/<method>.io.json``), and its outputs come back in the method's order."""
+    outs = runner.run([inputs[i] for i in order["input_order"]])
+    return [outs[j] for j in order["output_order"]]
+
+
+@contextlib.contextmanager
+def shipped_runners(pte: Path, ptd: Path, methods: Sequence[str], factory: RunnerFactory,
+                    device: str, so_dir: Optional[Path] = None,
+                    error: Type[ZooError] = VerificationFailed) -> Iterator[Dict[str, Any]]:
+    """A runner per method over the bytes that ship: each method's .so and weights as model.pte /
+    aoti_cuda_blob.ptd hold them now, so a swapped or edited file is what gets run. With ``so_dir`` (the run
+    folder's ``so/``), the files extracted there are used while its stamp says they are these very .pte/.ptd
+    files' bytes, untouched (``artifact.reusable_method_files``: no second ~10 GB copy of a real-size blob);
+    otherwise only ``methods`` are extracted, a shared weights segment once, into a folder that lives only while
+    the runners are in use. A missing or unloadable method raises ``error`` (verification's or the runner's)."""
+    ptd_there = ptd if ptd.exists() else None
+    shipped = reusable_method_files(pte, ptd_there, so_dir, methods) if so_dir is not None else None
+    shipped_dir = None
+    try:
+        if shipped is None:
+            shipped_dir = Path(tempfile.mkdtemp(prefix=".verify.tmp-", dir=pte.parent))
+            shipped = extract_method_files(pte, ptd_there, shipped_dir, methods)
+        runners = {}
+        for m in methods:
+            if m not in shipped:
+                raise error(f"{pte} holds no compiled .so for method {m!r}",
+                                         "lower the run again (`python -m zoo lower RUN_DIR`)")
+            try:
+                runners[m] = factory(m, shipped[m]["so"], shipped[m]["weights"], device)
+            except ZooError:
+                raise
+            except Exception as exc:  # a loader's own error: the .so is damaged or built for another machine
+                raise error(f"the .so of method {m!r} in {pte} cannot be loaded: "
+                                         f"{type(exc).__name__}: {first_line(exc)}",
+                                         "the artifact is damaged, or was built for another GPU or torch: "
+                                         "lower the run again (`python -m zoo lower RUN_DIR`)") from exc
+        yield runners
+    finally:
+        if shipped_dir is not None:
+            shutil.rmtree(shipped_dir, ignore_errors=True)

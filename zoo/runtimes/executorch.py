@@ -1,0 +1,342 @@
+"""Running a zoo artifact through ExecuTorch's own C++ runtime: the ``zoo_runner`` program (runtime/cpp).
+
+This is what a deployment runs: ``model.pte`` + ``aoti_cuda_blob.ptd`` loaded by ExecuTorch's runtime and its
+CUDA backend, with the backend's own shims, input/output copies and weight loading. (Verification's other
+runner, zoo.runtimes.aoti, runs the same ``.so`` on libtorch's shims.)
+
+A ``RuntimeSession`` starts one ``zoo_runner --plan -`` process with the program loaded, and keeps it: state a
+method keeps inside the program (a KV pool in the "buffer" layout) lives across calls, as in a deployment, and
+weights are loaded once. Each call writes the inputs to tensor files (zoo.contract.tensor_file) in the METHOD's
+signature order, sends one plan line (``METHOD in0.zt in1.zt ...``) down the pipe and reads one JSON line back
+that names the output files. The runtime maps the inputs to the compiled ``.so``'s own order itself (the
+delegate node records it), unlike torch's AOTI runner, which verification must feed in the ``.so``'s order.
+
+``run_plan`` runs a whole sequence in one process, feeding outputs of earlier calls into later ones inside the
+runner (``@STEP:OUTPUT`` references): LingBot-VA's ``video_step``/``action_step`` sharing the KV pool through
+the host in the "io" layout.
+
+The executable is found from the ``executable`` argument or ``$ZOO_ET_RUNNER``; build it with
+``scripts/build_runtime.sh`` (docs/runtime.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from zoo.core.errors import RuntimeCallFailed, RuntimeNotBuilt
+from zoo.contract.tensor_file import read_tensor, write_tensor
+
+RUNNER_ENV = "ZOO_ET_RUNNER"
+BUILD_HINT = ("build it with `scripts/build_runtime.sh ../shared/third-party/executorch-v1.2.0-src.tar.xz "
+              "build/runtime` (about 2 minutes on 16 cores; docs/runtime.md) and point ZOO_ET_RUNNER at "
+              "build/runtime/build/zoo_runner")
+LOG_TAIL_LINES = 30
+PathLike = Union[str, Path]
+
+
+def find_runner(executable: Optional[PathLike] = None) -> Path:
+    """The zoo_runner to use: ``executable``, else ``$ZOO_ET_RUNNER``; RuntimeNotBuilt saying how to build one."""
+    chosen = executable or os.environ.get(RUNNER_ENV)
+    if not chosen:
+        raise RuntimeNotBuilt(f"no ExecuTorch C++ runtime given: pass the zoo_runner executable or set {RUNNER_ENV}",
+                              BUILD_HINT)
+    path = Path(chosen)
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise RuntimeNotBuilt(f"{path} is not an executable zoo_runner"
+                              + (f" (from ${RUNNER_ENV})" if not executable else ""), BUILD_HINT)
+    return path
+
+
+def runner_info(executable: Optional[PathLike] = None) -> Dict[str, Any]:
+    """What a zoo_runner build is: ExecuTorch version, CUDA or not, registered backends, weight sharing."""
+    exe = find_runner(executable)
+    proc = subprocess.run([str(exe), "--info"], capture_output=True, text=True, timeout=60)
+    info = _last_json(proc.stdout)
+    if proc.returncode != 0 or info is None:
+        raise RuntimeNotBuilt(f"{exe} --info failed (exit {proc.returncode}): {_tail(proc.stderr, 10)}", BUILD_HINT)
+    return info
+
+
+def describe(info: Dict[str, Any]) -> str:
+    """One line for a report: which runtime ran the artifact."""
+    cuda = "CUDA backend" if info.get("cuda") else "portable only, no CUDA backend"
+    return (f"ExecuTorch runtime {info.get('executorch_version', '?')} (zoo_runner, {cuda}; weight sharing across "
+            f"methods: {info.get('weight_sharing_across_methods', '?')})")
+
+
+def _last_json(text: str) -> Optional[Dict[str, Any]]:
+    for line in reversed(text.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+def _tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
+    kept = [line for line in text.strip().splitlines() if line.strip()][-lines:]
+    return "\n".join(kept) if kept else "(nothing on stderr)"
+
+
+def _exit_text(code: Optional[int]) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"killed by signal {-code}"
+    if code == 134:
+        return "exit 134 (abort)"
+    if code == 127:
+        return "exit 127 (a symbol lookup error: the runtime lacks a function the .so needs)"
+    return f"exit {code}"
+
+
+@dataclass
+class PlanResult:
+    """What ``run_plan`` returns: each call's outputs (CPU tensors, None for a None output) and the summary."""
+
+    outputs: List[List[Optional[torch.Tensor]]]
+    step_ms: List[float]
+    summary: Dict[str, Any] = field(default_factory=dict)
+
+
+class RuntimeSession:
+    """One loaded program in one zoo_runner process; ``call(method, inputs)`` in the method's signature order."""
+
+    def __init__(self, pte: PathLike, ptd: Optional[PathLike] = None, *, executable: Optional[PathLike] = None,
+                 require_cuda: bool = True, weight_sharing: bool = True, methods: Sequence[str] = (),
+                 work_dir: Optional[PathLike] = None, timeout_s: float = 600.0):
+        self.executable = find_runner(executable)
+        self.pte = Path(pte).resolve()
+        self.ptd = Path(ptd).resolve() if ptd else None
+        self.timeout_s = timeout_s
+        if not self.pte.is_file():
+            raise RuntimeCallFailed(f"{self.pte} is missing", "lower the run first (`python -m zoo lower RUN_DIR`)")
+        self.build = runner_info(self.executable)
+        if require_cuda and not self.build.get("cuda"):
+            raise RuntimeNotBuilt(f"{self.executable} was built without the CUDA backend (portable runtime only); "
+                                  "it cannot run a CUDA artifact", "build without --cpu: " + BUILD_HINT)
+        self._own_dir = work_dir is None
+        self.work_dir = (Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="zoo-et-"))).resolve()
+        (self.work_dir / "in").mkdir(parents=True, exist_ok=True)
+        (self.work_dir / "out").mkdir(parents=True, exist_ok=True)
+        self.log_path = self.work_dir / "zoo_runner.log"
+        self._calls = 0
+        self.summary: Dict[str, Any] = {}
+        cmd = [str(self.executable), "--model", str(self.pte), "--plan", "-", "--outputs", str(self.work_dir / "out")]
+        if self.ptd is not None:
+            cmd += ["--data", str(self.ptd)]
+        if methods:
+            cmd += ["--load", ",".join(methods)]
+        if not weight_sharing:
+            cmd.append("--no-weight-sharing")
+        self.command = cmd
+        self._log = open(self.log_path, "wb")
+        # stderr (ExecuTorch's log) goes to a file: a chatty runtime can never fill a pipe and stall the runner.
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                      bufsize=0)
+        self._buffer = b""
+        try:
+            self.ready = self._read_reply("loading the program")
+        except RuntimeCallFailed:
+            self.close()  # a runner that died while loading leaves no process, log handle or files behind
+            raise
+        if not self.ready.get("ready"):
+            self._fail("loading the program", self.ready)
+
+    # --- the pipe ---------------------------------------------------------------------------------------------------
+
+    def _read_reply(self, what: str) -> Dict[str, Any]:
+        """The next JSON line from the runner, waiting at most ``timeout_s``; RuntimeCallFailed if it dies."""
+        deadline = time.monotonic() + self.timeout_s
+        selector = selectors.DefaultSelector()
+        selector.register(self._proc.stdout, selectors.EVENT_READ)
+        try:
+            while b"\n" not in self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._proc.kill()
+                    self._proc.wait()
+                    raise RuntimeCallFailed(f"zoo_runner did not answer within {self.timeout_s:.0f} s while "
+                                            f"{what}; killed it. Its log:\n{self.log_tail()}",
+                                            "a hung GPU kernel or a far too slow call; see the log above")
+                if not selector.select(timeout=min(left, 1.0)):
+                    continue
+                chunk = os.read(self._proc.stdout.fileno(), 1 << 16)
+                if not chunk:
+                    code = self._proc.wait()
+                    summary = _last_json(self._buffer.decode(errors="replace"))
+                    if summary is not None and not summary.get("ok", True):
+                        self._fail(what, summary)
+                    raise RuntimeCallFailed(f"zoo_runner died while {what} ({_exit_text(code)}); its log:\n"
+                                            f"{self.log_tail()}",
+                                            "the log above is ExecuTorch's own (logging is compiled in)")
+                self._buffer += chunk
+        finally:
+            selector.close()
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RuntimeCallFailed(f"zoo_runner answered {line[:200]!r} while {what}, not a JSON line",
+                                    "is the executable really zoo_runner?") from exc
+
+    def _fail(self, what: str, reply: Dict[str, Any]) -> None:
+        message = (f"ExecuTorch's runtime failed {what}: {reply.get('error', reply)}\n"
+                   f"zoo_runner's log:\n{self.log_tail()}")
+        self.close()  # the runner stops at a failed call; its files go (the log is in the message)
+        raise RuntimeCallFailed(message, "an artifact the audit calls loadable that fails here is a finding: record "
+                                         "it, and fix the audit or the artifact")
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            return _tail(self.log_path.read_text(errors="replace"), lines)
+        except OSError:
+            return "(no log)"
+
+    # --- calls ---------------------------------------------------------------------------------------------------------
+
+    def call(self, method: str, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Run ``method`` once on ``inputs`` (any device; signature order); returns its tensor outputs on the CPU."""
+        if self._proc.poll() is not None:
+            raise RuntimeCallFailed(f"zoo_runner is not running ({_exit_text(self._proc.returncode)})",
+                                    "open a new session")
+        n = self._calls
+        self._calls += 1
+        paths = [write_tensor(self.work_dir / "in" / f"{n}.{i}.zt", t) for i, t in enumerate(inputs)]
+        try:
+            self._proc.stdin.write((" ".join([method] + [str(p) for p in paths]) + "\n").encode())
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it died: the reply read below says how
+        reply = self._read_reply(f"running {method} (call {n})")
+        for p in paths:
+            p.unlink()
+        if not reply.get("ok"):
+            self._fail(f"running {method} (call {n})", reply)
+        outputs = []
+        for path in reply.get("outputs", []):
+            if path is None:
+                continue
+            outputs.append(read_tensor(path))
+            Path(path).unlink()
+        return outputs
+
+    def runner(self, method: str) -> "MethodRunner":
+        return MethodRunner(self, method)
+
+    def close(self) -> Dict[str, Any]:
+        """End the runner (its summary line is kept in ``summary``) and remove the session's files."""
+        if self._proc.poll() is None:
+            try:
+                self._proc.stdin.write(b"quit\n")
+                self._proc.stdin.close()
+            except (BrokenPipeError, ValueError):
+                pass
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if not self._proc.stdin.closed:
+            try:
+                self._proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        if not self._proc.stdout.closed:
+            self._buffer += self._proc.stdout.read() or b""  # the summary line; the process has exited
+            self._proc.stdout.close()
+        self.summary = _last_json(self._buffer.decode(errors="replace")) or self.summary
+        self._log.close()
+        if self._own_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+        return self.summary
+
+    def __enter__(self) -> "RuntimeSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class MethodRunner:
+    """One method of a session, with the calling shape of zoo.runtimes.aoti.AotiRunner: ``run(inputs) -> outputs``.
+
+    Unlike AotiRunner, inputs and outputs are in the METHOD's signature order (the runtime reorders for the .so),
+    so verification must not apply the delegate's order to this runner."""
+
+    order = "method"
+
+    def __init__(self, session: RuntimeSession, method: str):
+        self.session, self.method = session, method
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        return self.session.call(self.method, inputs)
+
+
+# --- a whole sequence in one process -----------------------------------------------------------------------------------
+
+Ref = Tuple[int, int]  # (earlier call, its output index): fed inside the runner, never through Python
+
+
+def run_plan(pte: PathLike, ptd: Optional[PathLike], steps: Sequence[Tuple[str, Sequence[Union[torch.Tensor, Ref]]]],
+             *, executable: Optional[PathLike] = None, require_cuda: bool = True, weight_sharing: bool = True,
+             timeout_s: float = 600.0, keep_dir: Optional[PathLike] = None) -> PlanResult:
+    """Run ``steps`` (method, inputs) in one zoo_runner process, one loaded program. An input is a tensor or
+    ``(step, output)``: that earlier call's output, handed over inside the runner (the KV pool of the "io"
+    layout goes from one call to the next this way). ``keep_dir`` keeps the plan, the files and the log."""
+    exe = find_runner(executable)
+    build = runner_info(exe)
+    if require_cuda and not build.get("cuda"):
+        raise RuntimeNotBuilt(f"{exe} was built without the CUDA backend", "build without --cpu: " + BUILD_HINT)
+    work = (Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix="zoo-et-plan-"))).resolve()
+    (work / "in").mkdir(parents=True, exist_ok=True)
+    (work / "out").mkdir(parents=True, exist_ok=True)
+    try:
+        lines = ["# zoo_runner plan: METHOD IN IN ... (IN: a tensor file or @STEP:OUTPUT)"]
+        for s, (method, inputs) in enumerate(steps):
+            words = [method]
+            for i, item in enumerate(inputs):
+                if isinstance(item, torch.Tensor):
+                    words.append(str(write_tensor(work / "in" / f"{s}.{i}.zt", item)))
+                else:
+                    step, output = item
+                    if not 0 <= step < s:
+                        raise ValueError(f"step {s} input {i} refers to step {step}, which does not come before it")
+                    words.append(f"@{step}:{output}")
+            lines.append(" ".join(words))
+        plan = work / "plan.txt"
+        plan.write_text("\n".join(lines) + "\n")
+        cmd = [str(exe), "--model", str(pte), "--plan", str(plan), "--outputs", str(work / "out")]
+        if ptd:
+            cmd += ["--data", str(ptd)]
+        if not weight_sharing:
+            cmd.append("--no-weight-sharing")
+        with open(work / "zoo_runner.log", "wb") as log:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=log, timeout=timeout_s)
+        replies = [json.loads(line) for line in proc.stdout.decode(errors="replace").splitlines()
+                   if line.startswith("{")]
+        summary = replies[-1] if replies else {}
+        if proc.returncode != 0 or not summary.get("ok"):
+            raise RuntimeCallFailed(f"ExecuTorch's runtime failed the plan ({_exit_text(proc.returncode)}): "
+                                    f"{summary.get('error', 'no summary')}\nzoo_runner's log:\n"
+                                    f"{_tail((work / 'zoo_runner.log').read_text(errors='replace'))}",
+                                    "the log above is ExecuTorch's own (logging is compiled in)")
+        calls = [r for r in replies if "step" in r]
+        outputs = [[read_tensor(p) if p else None for p in r["outputs"]] for r in calls]
+        return PlanResult(outputs=outputs, step_ms=[r["ms"] for r in calls], summary=summary)
+    finally:
+        if keep_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
