@@ -124,7 +124,7 @@ def build_llama(recipe, work: Path) -> ExportUnit:
 def build_lingbot_va(recipe, work: Path) -> ExportUnit:
     # Imported here: they need lerobot (the policies extra), which the llama unit and --help do not.
     from zoo.policies import fast_init
-    from zoo.policies.lingbot_va.unit import unit as lingbot_va
+    from zoo.policies.lingbot_va import unit as lingbot_va
 
     # The configuration a fabricated checkpoint of this recipe would carry (recipe policy_config, cameras).
     config = lingbot_va._fabricated_config(recipe, lingbot_va._validate_recipe(recipe))
@@ -172,7 +172,7 @@ def write_seeded_processors(family: str, config, folder: Path, seed: int) -> Non
 def build_fast_wam(recipe, work: Path) -> ExportUnit:
     # Imported here: they need lerobot (the policies extra), which the llama unit and --help do not.
     from zoo.policies import fast_init
-    from zoo.policies.fast_wam.unit import unit as fast_wam
+    from zoo.policies.fast_wam import unit as fast_wam
 
     config = fast_wam_config(recipe)
     folder = placeholder_checkpoint(config, work / "checkpoint")

@@ -78,7 +78,7 @@ def build_method(layers: int, method: str):
     from zoo.export import trace as exporting
     from zoo.export import pipeline
     from zoo.policies import fast_init
-    from zoo.policies.lingbot_va.unit import unit as lingbot_va
+    from zoo.policies.lingbot_va import unit as lingbot_va
 
     recipe = brs.unit_recipe(brs.parse_unit("lingbot_va"), tiny=False)
     options = recipe.unit.options  # a dict, or (families by convention) the family's options dataclass

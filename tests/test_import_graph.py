@@ -1,5 +1,5 @@
-"""zoo's imports run one way: errors/atomic/report -> run_folder/artifact/runtimes -> steps -> pipeline -> command
-lines. Read with ``ast`` from the source (nothing is imported), so a circle that only shows at run time, behind an
+"""zoo's imports run one way, by folder: core -> contract -> deploy (runner, runtimes) -> export -> the export
+line (pipeline) -> command lines; the deploy side imports nothing of the exporter. Read with ``ast`` from the source (nothing is imported), so a circle that only shows at run time, behind an
 import inside a function, is found too:
   - no import circle among zoo's modules;
   - no import of a zoo module inside a function body, except the ones listed below, each with its reason;
@@ -10,6 +10,8 @@ import inside a function, is found too:
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 from typing import Dict, Iterator, List, NamedTuple, Optional, Set, Tuple
 
@@ -18,36 +20,44 @@ ZOO = ROOT / "zoo"
 
 # Imports of a zoo module inside a function body that are allowed: (importer, imported) -> why.
 # A zoo module may be imported inside a function only to keep lerobot or a GPU-only dependency optional.
-# Entries marked "pending: <branch>" belong to modules another branch is restructuring; the coordinator removes
-# them once that branch is merged (the test fails on an entry that no longer matches any import).
 ALLOWED_IN_FUNCTIONS: Dict[Tuple[str, str], str] = {
-    ("zoo.contract.recipes", "zoo.rewrites"): "pending: recipe validation of rewrite names (zoo.rewrites imports nothing "
-                                     "of the recipes, so this can move to the top)",
+    ("zoo.contract.recipes", "zoo.rewrites"): "a recipe names its rewrites; checking the names needs the rewrite "
+                                              "registry, which a deployment (the runner reading recipe.yaml) "
+                                              "does not load",
 }
 
-# The layers of the modules this order is about; an import may go to the same layer or a lower one. Modules
-# not listed (the families, the rewrites, the bench) are held to the first two rules only.
-LAYERS: Dict[str, int] = {
-    **dict.fromkeys(["zoo", "zoo.core.errors", "zoo.core.atomic", "zoo.core.report", "zoo.core.progress", "zoo.core.environ",
-                     "zoo.core.numerics", "zoo.core.sampling_profiler"], 0),
-    **dict.fromkeys(["zoo.contract.run_folder", "zoo.contract.artifact", "zoo.export.lower.assemble", "zoo.contract.releases", "zoo.contract.tensor_file",
-                     "zoo.contract.chunk_latency"], 1),
-    **dict.fromkeys(["zoo.export.pull", "zoo.export.hub_cache", "zoo.export.tiny_hub", "zoo.export.trace", "zoo.export.cpu_check", "zoo.export.lower.preflight",
-                     "zoo.export.lower.lowering", "zoo.export.lower.workers", "zoo.export.lower.constant_plan", "zoo.export.audit", "zoo.export.verify",
-                     "zoo.runtimes.aoti", "zoo.runtimes.executorch", "zoo.export.verify_runtimes", "zoo.export.runtime_sequence", "zoo.export.publish.manifest",
-                     "zoo.export.publish.model_card", "zoo.export.publish.upload", "zoo.export.stages",
-                     "zoo.export.policy_check", "zoo.runner", "zoo.runner.base", "zoo.runner.backends", "zoo.runner.check",
-                     "zoo.runner.fast_wam", "zoo.runner.lingbot_va", "zoo.runner.loading", "zoo.runner.observations",
-                     "zoo.runner.processors", "zoo.runner.prompt"], 2),
-    "zoo.export.pipeline": 3,
-    **dict.fromkeys(["zoo.export", "zoo.lower", "zoo.publish", "zoo.__main__", "zoo.cli", "zoo.cli.doctor",
-                     "zoo.cli.bundle", "zoo.cli.deploy"], 4),
-}
-LAYER_NAMES = ("errors/atomic/report", "run_folder/artifact/runtimes", "steps", "pipeline", "command lines")
+# The layers, by folder: an import may go to the same layer or a lower one. The policies' registry and their
+# options dataclasses type a recipe's unit.options, so they sit with the contract; a family's export unit
+# (zoo/policies/NAME/unit.py and the modules it builds from) is part of the export line.
+LAYER_NAMES = ("core", "contract", "deploy", "export", "export line", "command lines")
 
-# Test modules that still load a script (pending: the branch that owns them).
+
+def layer_of(module: str) -> Optional[int]:
+    """The layer of a zoo module, from the folder it lives in; None for the package ``zoo`` itself."""
+    parts = module.split(".")
+    if module == "zoo":
+        return None
+    top = parts[1]
+    if top == "core":
+        return 0
+    if top == "contract" or module == "zoo.policies" or (top == "policies" and parts[-1] == "options") \
+            or (top == "policies" and len(parts) == 3 and (ZOO / "policies" / parts[2]).is_dir()):
+        return 1
+    if top in ("runner", "runtimes"):
+        return 2
+    if top in ("export", "policies", "rewrites", "bench"):
+        return 4 if module == "zoo.export.pipeline" else 3
+    return 5  # zoo.cli, zoo.__main__, zoo.export.__main__
+
+
+# What the deploy side may import, beyond itself: a deployment needs the runner, the artifact readers and a
+# runtime, nothing of the exporter.
+DEPLOY = ("zoo.runner", "zoo.runtimes")
+DEPLOY_MAY_IMPORT = ("zoo.core", "zoo.contract", "zoo.runner", "zoo.runtimes", "zoo.policies")
+
+# Test modules that still load a script, and why.
 TESTS_LOADING_SCRIPTS = {
-    "tests/test_bench.py": "pending: i16-bench (parse_unit of bench_real_size)",
+    "tests/test_bench.py": "parse_unit of bench_real_size",
     "tests/test_gpu_jobs.py": "runs scripts/gpu_jobs.sh as a program (bash); no Python is loaded from scripts/",
     "tests/policies/test_bench_chunk_seeded.py": "runs scripts/bench_chunk.py as a program (the real-size weights "
                                                  "path at tiny size); no Python is loaded from scripts/",
@@ -168,13 +178,36 @@ def test_no_zoo_import_inside_a_function_except_the_listed_ones():
 
 
 def test_imports_go_down_the_layers():
-    modules = zoo_modules()
-    assert not set(LAYERS) - set(modules), f"layer map names modules that do not exist: {set(LAYERS) - set(modules)}"
-    wrong = [f"{imp.importer} ({LAYER_NAMES[LAYERS[imp.importer]]}) imports {imp.imported} "
-             f"({LAYER_NAMES[LAYERS[imp.imported]]}) at line {imp.line}"
-             for imp in all_imports()
-             if imp.importer in LAYERS and imp.imported in LAYERS and LAYERS[imp.imported] > LAYERS[imp.importer]]
+    wrong = []
+    for imp in all_imports():
+        here, there = layer_of(imp.importer), layer_of(imp.imported)
+        listed = imp.in_function and (imp.importer, imp.imported) in ALLOWED_IN_FUNCTIONS
+        if here is not None and there is not None and there > here and not listed:
+            wrong.append(f"{imp.importer} ({LAYER_NAMES[here]}) imports {imp.imported} ({LAYER_NAMES[there]}) "
+                         f"at line {imp.line}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_deploy_side_imports_nothing_of_the_exporter():
+    wrong = [f"{imp.importer}:{imp.line} imports {imp.imported}" for imp in all_imports()
+             if imp.importer.startswith(DEPLOY) and not imp.imported.startswith(DEPLOY_MAY_IMPORT)
+             or imp.importer.startswith(DEPLOY) and imp.imported.startswith("zoo.policies.")
+             and not imp.imported.endswith(".options")]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_importing_the_runner_loads_no_exporter_module():
+    """What ``import zoo.runner`` really loads, in a fresh interpreter: no export line, no rewrites, no policy
+    unit, and none of lerobot, transformers or diffusers."""
+    code = ("import sys, zoo.runner; print(' '.join(sorted(m for m in sys.modules "
+            "if m.split('.')[0] in ('zoo', 'lerobot', 'transformers', 'diffusers'))))")
+    loaded = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout.split()
+    assert "zoo.runner" in loaded
+    forbidden = [m for m in loaded if m.split(".")[0] != "zoo" or m.startswith(("zoo.export", "zoo.rewrites",
+                 "zoo.cli", "zoo.bench")) or (m.startswith("zoo.policies.") and not m.endswith(".options")
+                 and m.count(".") > 2)]
+    assert not forbidden, forbidden
 
 
 IMPORTABLE = {"scripts": {"scripts"}, "tests": {"tests", "conftest", "fixtures"}}
@@ -231,8 +264,8 @@ def test_the_checker_finds_a_circle_behind_a_function_level_import(tmp_path):
 def test_the_checker_resolves_relative_and_function_level_imports(tmp_path):
     source = tmp_path / "mod.py"
     source.write_text("from . import atomic\nfrom .errors import ZooError\n"
-                      "def f():\n    from .rewrites import result\n    import zoo.core.report\n")
+                      "def f():\n    from ..rewrites import result\n    import zoo.core.report\n")
     modules = zoo_modules()
-    found = imports_of("zoo.mod", source, modules)
+    found = imports_of("zoo.core.mod", source, modules)
     assert [(i.imported, i.in_function) for i in found] == [
         ("zoo.core.atomic", False), ("zoo.core.errors", False), ("zoo.rewrites.result", True), ("zoo.core.report", True)]
