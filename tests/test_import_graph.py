@@ -37,6 +37,8 @@ def layer_of(module: str) -> Optional[int]:
     parts = module.split(".")
     if module == "zoo":
         return None
+    if parts[-1] == "__main__":  # ``python -m zoo.export``: a command line wherever its package is
+        return 5
     top = parts[1]
     if top == "core":
         return 0
@@ -47,7 +49,7 @@ def layer_of(module: str) -> Optional[int]:
         return 2
     if top in ("export", "policies", "rewrites", "bench"):
         return 4 if module == "zoo.export.pipeline" else 3
-    return 5  # zoo.cli, zoo.__main__, zoo.export.__main__
+    return 5  # zoo.cli, zoo.__main__
 
 
 # What the deploy side may import, beyond itself: a deployment needs the runner, the artifact readers and a
