@@ -44,7 +44,11 @@ echo "[zoo setup] installing zoo[policies,test]: torch 2.11 (a CUDA build, about
      "lerobot 0.6.1 ... (pip's progress below; also in $VENV/install.log)" >&2
 # pip's own output (a progress bar per download on a terminal, one line per file in a log) goes to the
 # terminal and to install.log; pipefail makes pip's exit status the pipeline's.
-if ! "$VENV/bin/python" -m pip install --progress-bar on -e ".[policies,test]" 2>&1 | tee "$VENV/install.log" >&2; then
+# editable_mode=compat puts the checkout itself on sys.path: with the default import hook, a folder named zoo
+# in the current directory (the clone itself, seen from the folder that holds it) shadows the package as an
+# empty namespace package ("cannot import name ... (unknown location)").
+if ! "$VENV/bin/python" -m pip install --progress-bar on --config-settings editable_mode=compat -e ".[policies,test]" \
+     2>&1 | tee "$VENV/install.log" >&2; then
   echo "[zoo setup] install failed (the last lines above say why); the full log is $VENV/install.log" >&2
   exit 2
 fi

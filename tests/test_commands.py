@@ -69,12 +69,19 @@ def test_doctor_says_why_it_exits_1(tmp_path, capsys):
     attempt.mkdir(parents=True)
     (attempt / "report.json").write_text(json.dumps({"status": "interrupted", "failed_stage": "pull",
                                                      "stages": [], "error": {"message": "interrupted during pull"}}))
+    (tmp_path / "none").mkdir()  # a folder, but no run in it
     assert doctor.main([str(good), str(failed), str(tmp_path / "none")]) == 1
     err = capsys.readouterr().err.splitlines()
     assert f"problem: {failed}: failed during export: torch.export failed: boom" in err
     assert any(line.startswith(f"problem: {good}: its latest attempt ({attempt}) interrupted during pull")
                for line in err)
     assert any(line.startswith(f"problem: {tmp_path / 'none'}: no report.json") for line in err)
+
+
+def test_doctor_refuses_a_run_folder_that_does_not_exist(tmp_path, capsys):
+    assert doctor.main([str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert f"no such run folder: {tmp_path / 'nope'}" in err and "what to do" in err
 
 
 def test_list_wraps_notes_instead_of_cutting_them(capsys, monkeypatch):

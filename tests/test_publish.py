@@ -415,6 +415,17 @@ def test_refuses_a_run_never_verified(tmp_path, exported, capsys, token):
     assert "verification never ran" in refusal(run, capsys)
 
 
+def test_dry_run_of_an_unverified_run_previews_its_card_marked_unverified(tmp_path, exported, capsys, no_token):
+    run = build_run(tmp_path / "unverified", exported, None)
+    plan = publishing.publish_run(run, "my-lab/rope-mini-cuda", dry_run=True)
+    card = (run / "publish" / "README.md").read_text()
+    assert "**Unverified preview.**" in card and "verified against eager PyTorch" not in card
+    assert [f.path_in_repo for f in plan.files] == ["README.md"]  # no artifact file is staged
+    assert "not verified" in capsys.readouterr().err
+    with pytest.raises(PublishRefused, match="verification never ran"):  # the push itself is still refused
+        publishing.publish_run(run, "my-lab/rope-mini-cuda", api=RecordingApi())
+
+
 def test_refuses_a_stale_manifest(run, capsys, token):
     report = RunFolder(run).read_report()
     report.data["verification"]["rows"][0]["max_abs"] *= 2

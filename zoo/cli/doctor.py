@@ -121,7 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             EXIT_OK: "the environment has what zoo needs / every run given is healthy",
             EXIT_CHECK_FAILED: "a run did not finish, its latest attempt failed, or (--require-verified) it did "
                                "not verify: one line on stderr says why for each",
-            EXIT_ERROR: "torch or executorch is missing"}))
+            EXIT_ERROR: "torch or executorch is missing, or a RUN_DIR given is no folder"}))
     parser.add_argument("run_dirs", nargs="*", type=Path, metavar="RUN_DIR", help="run folders to summarise")
     parser.add_argument("--runs", nargs="+", type=Path, default=[], help="run folders to summarise (same as RUN_DIR)")
     parser.add_argument("--require-verified", action="store_true",
@@ -130,6 +130,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
 
     runs = list(args.run_dirs) + list(args.runs)
+    absent = [str(r) for r in runs if not r.is_dir()]
+    if absent:
+        print(f"error: no such run folder: {', '.join(absent)}", file=sys.stderr)
+        print("  what to do: give the folder `python -m zoo.export` wrote (default runs/<recipe>)", file=sys.stderr)
+        return EXIT_ERROR
     if runs:
         table, problems = runs_table(runs, args.require_verified)
         print(table)

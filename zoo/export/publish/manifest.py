@@ -140,7 +140,9 @@ def _read_json(path: Path) -> Any:
         raise PublishRefused(f"{path} is not valid JSON ({exc})", "re-run the step that writes it") from None
 
 
-def build_manifest(run_dir: Union[RunFolder, Path], report: Union[RunReport, Mapping[str, Any]]) -> Dict[str, Any]:
+def build_manifest(run_dir: Union[RunFolder, Path], report: Union[RunReport, Mapping[str, Any]],
+                   files: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """The manifest of a run; ``files`` given (an unverified preview) stands for the hashed artifact files."""
     run = RunFolder(run_dir)
     data = _report_data(report)
     recipe = run.recipe_dict()
@@ -161,7 +163,7 @@ def build_manifest(run_dir: Union[RunFolder, Path], report: Union[RunReport, Map
         "audit": public_section(data.get("audit")),
         "verification": public_section(data.get("verification")),
         "policy_check": public_section(data.get("policy_check")),
-        "files": file_table(run.path),
+        "files": file_table(run.path) if files is None else files,
     }
 
 

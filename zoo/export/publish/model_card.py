@@ -505,6 +505,11 @@ def _files_section(manifest: Mapping[str, Any]) -> List[str]:
             markdown_table(table), ""]
 
 
+UNVERIFIED_BANNER = ("> **Unverified preview.** This card was rendered by `python -m zoo publish --dry-run` from a run "
+                     "that was not verified on a GPU; zoo refuses to publish it. Lower and verify it first "
+                     "(`python -m zoo lower RUN_DIR` on a CUDA machine).")
+
+
 def render_card(manifest: Mapping[str, Any], io_spec: Mapping[str, Any], host_settings: Mapping[str, Any],
                 repo_id: str) -> str:
     """The whole README.md: Hub metadata header, then what it is, where it runs, how well, how to run it."""
@@ -516,10 +521,14 @@ def render_card(manifest: Mapping[str, Any], io_spec: Mapping[str, Any], host_se
     processors = sorted(rel for rel in (manifest.get("files") or {}) if rel.startswith("processors/"))
     header = ModelCardData(**card_metadata(manifest)).to_yaml()
     title = note.get("title", recipe.get("family", "policy"))
+    verified = bool((manifest.get("verification") or {}).get("passed"))
     out = ["---", header, "---", "", f"# {repo_id}", "",
            f"{title} exported to an ExecuTorch CUDA artifact (`model.pte` + `aoti_cuda_blob.ptd`) by zoo from "
            f"[`{source.get('repo_id')}`](https://huggingface.co/{source.get('repo_id')}) at commit "
-           f"`{source.get('commit')}`, and verified against eager PyTorch on a GPU before publishing.", ""]
+           f"`{source.get('commit')}`" + (", and verified against eager PyTorch on a GPU before publishing."
+                                            if verified else "."), ""]
+    if not verified:
+        out += [UNVERIFIED_BANNER, ""]
     if is_fabricated(manifest):
         out += ["> **Test artifact.** The weights are seeded random numbers in the source's file layout, made by "
                 "zoo to exercise the pipeline; the outputs mean nothing.", ""]

@@ -19,9 +19,9 @@ from typing import Any, Dict, List, Mapping, Optional
 
 from zoo.core import atomic
 from zoo.core.errors import PublishRefused
-from zoo.export.publish.manifest import check_files, public_section, read_manifest, sha256_file
+from zoo.export.publish.manifest import build_manifest, check_files, public_section, read_manifest, sha256_file
 from zoo.export.publish.model_card import audit_rows, human_size, render_card, row_output
-from zoo.core.progress import say, steps
+from zoo.core.progress import say, steps, warn
 from zoo.core.report import format_table
 from zoo.contract.run_folder import MANIFEST_JSON, REPORT_JSON, RunFolder
 
@@ -242,6 +242,8 @@ def publish_run(run_dir, repo_id: Optional[str], revision: Optional[str] = None,
     """Check, stage and (unless ``dry_run``) push a run folder. ``repo_id`` None takes the recipe's
     ``publish.repo_id``; the recipe's ``publish.private`` also makes the repo private."""
     run_dir = Path(run_dir)
+    if dry_run and _unverified(run_dir):
+        return preview_run(run_dir, repo_id, revision, private)
     manifest = check_run(run_dir)
     publish_cfg = (manifest.get("recipe") or {}).get("publish") or {}
     repo_id = check_repo_id(repo_id or publish_cfg.get("repo_id"))
@@ -253,4 +255,35 @@ def publish_run(run_dir, repo_id: Optional[str], revision: Optional[str] = None,
     if not dry_run:
         say(f"committing {len(plan.files)} files to {repo_id} ...")
         push(plan, token, api)  # type: ignore[arg-type]
+    return plan
+
+
+def _unverified(run_dir: Path) -> bool:
+    """A run folder whose verification never ran or failed (a CPU-only export): a dry run previews its card."""
+    run = RunFolder(run_dir)
+    if not run_dir.is_dir() or not run.is_run():
+        return False  # check_run says what is wrong
+    try:
+        check_verified(run.read_report().data, run_dir)
+    except PublishRefused:
+        return True
+    return False
+
+
+def preview_run(run_dir: Path, repo_id: Optional[str], revision: Optional[str], private: bool) -> PublishPlan:
+    """The card of an unverified run, marked as such, staged in ``RUN_DIR/publish/`` so that a machine without a
+    GPU can read what would be published; the files a push would need are not there, and a push is refused."""
+    run = RunFolder(run_dir)
+    manifest = build_manifest(run, run.read_report(), files={})
+    publish_cfg = (manifest.get("recipe") or {}).get("publish") or {}
+    repo_id = check_repo_id(repo_id or publish_cfg.get("repo_id") or "ORG/NAME")
+    warn(f"{run_dir} is not verified: staging an unverified preview of its model card only; a push is refused "
+         f"until `python -m zoo lower {run_dir}` has verified it on a GPU")
+    with atomic.atomic_folder(run.publish_dir) as tmp:
+        atomic.write_text(tmp / README, render_card(manifest, run.read_io_spec(), run.read_host_settings(), repo_id))
+    card = run.publish_dir / README
+    plan = PublishPlan(run_dir=run_dir, repo_id=repo_id, revision=revision,
+                       private=bool(private or publish_cfg.get("private")), staged_dir=run.publish_dir,
+                       dry_run=True, commit_message="(unverified preview: nothing would be committed)")
+    plan.files = [StagedFile(README, card, card.stat().st_size, sha256_file(card))]
     return plan
