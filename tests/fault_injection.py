@@ -141,11 +141,11 @@ def good_run(folder: Path) -> Path:
     """A verified toy run with publish/ staged: export on the CPU, then lower, audit and verify with the GPU
     compile faked, then ``publish --dry-run``. Built once; every case works on a copy."""
     run = folder / "toy-rope"
-    assert zoo.export.main([str(TOY_RECIPE), "--output-dir", str(run)]) == 0
+    assert zoo.cli.export.main([str(TOY_RECIPE), "--output-dir", str(run)]) == 0
     with pytest.MonkeyPatch.context() as patch:
         install_fake_gpu(patch)
-        assert zoo.lower.main([str(run)]) == 0
-    assert zoo.publish.main([str(run), "--repo-id", REPO_ID, "--dry-run"]) == 0
+        assert zoo.cli.lower.main([str(run)]) == 0
+    assert zoo.cli.publish.main([str(run), "--repo-id", REPO_ID, "--dry-run"]) == 0
     assert RunFolder(run).status() == "verified"
     return run
 
