@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from zoo.contract import chunk_latency
-from zoo.export.publish.model_card import audit_rows, card_metadata, render_card, resolve_license, runtime_ref
+from zoo.export.publish.card_results import audit_rows
+from zoo.export.publish.model_card import card_metadata, render_card, resolve_license, runtime_ref
 
 
 def checkpoint(tmp_path, header: str):

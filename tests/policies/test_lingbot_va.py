@@ -24,7 +24,9 @@ from zoo.core.errors import PullError, RecipeError, ZooError  # noqa: E402
 from zoo.export.hub_cache import folder_commit, hub_environment, put_in_cache  # noqa: E402
 from zoo.core.numerics import compare  # noqa: E402
 from zoo.policies import load_family  # noqa: E402
+from zoo.policies.lingbot_va.checkpoint import fabricated_config  # noqa: E402
 from zoo.policies.lingbot_va.pool import PoolStep  # noqa: E402
+from zoo.policies.lingbot_va.recipe import validate_recipe  # noqa: E402
 from zoo.runner.slots import HostSlotAllocator  # noqa: E402
 from zoo.contract.recipes import load_recipe  # noqa: E402
 
@@ -209,7 +211,7 @@ def test_attn_mode_from_the_checkpoint_is_overridden_to_torch(hub, tmp_path):
 
 def test_real_recipe_states_the_sizes_of_its_policy_config_and_the_tiny_one_keeps_its_structure():
     real, tiny = load_recipe("lingbot-va"), load_recipe(RECIPE)
-    config = lingbot_va._fabricated_config(real, lingbot_va._validate_recipe(real))
+    config = fabricated_config(real, validate_recipe(real))
     with torch.device("meta"):  # 5.09 B parameters: build the real-size policy without memory
         policy = lingbot_va.LingBotVAPolicy(config)
     layout = lingbot_va._layout(policy)

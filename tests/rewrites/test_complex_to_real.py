@@ -17,7 +17,7 @@ from torch.export import Dim, export
 from zoo.core.errors import ZooError
 from zoo.core.numerics import compare
 from zoo.rewrites import replace_complex_with_real
-from zoo.rewrites import complex_to_real as c2r
+from zoo.rewrites import complex_rules
 
 F32_TOL = 1e-6  # float32 pairs vs eager
 F64_TOL = 1e-12  # float64 pairs vs complex128 eager
@@ -781,7 +781,8 @@ def test_failure_after_matching_declines_and_leaves_the_program(monkeypatch, cap
     def broken(rw, node):
         raise RuntimeError("synthetic failure")
 
-    monkeypatch.setitem(c2r._RULES, torch.ops.aten.mul.Tensor, c2r._Rule(broken, c2r._no_objection))
+    rule = complex_rules.Rule(broken, complex_rules.no_objection)
+    monkeypatch.setitem(complex_rules.RULES, torch.ops.aten.mul.Tensor, rule)
     reason = assert_declined_unchanged(ep, before, "synthetic failure", caplog)
     assert "aten.mul.Tensor" in reason
 

@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Mapping, Optional
 from zoo.core import atomic
 from zoo.core.errors import PublishRefused
 from zoo.export.publish.manifest import build_manifest, check_files, public_section, read_manifest, sha256_file
-from zoo.export.publish.model_card import audit_rows, human_size, render_card, row_output
+from zoo.export.publish.card_results import audit_rows, row_output
+from zoo.export.publish.model_card import human_size, render_card
 from zoo.core.progress import say, steps, warn
 from zoo.core.report import format_table
 from zoo.contract.run_folder import MANIFEST_JSON, REPORT_JSON, RunFolder

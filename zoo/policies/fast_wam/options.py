@@ -13,7 +13,7 @@ class FastWamOptions(FamilyOptions):
     num_inference_steps: Optional[int] = None  # Euler steps per chunk; None: the checkpoint's (LeRobot: 10)
     sigma_shift: Optional[float] = None  # None: the checkpoint's (itself None: the scheduler's infer_shift)
     # FastWAMConfig fields tiny recipes fabricate their checkpoint from; checked by FastWAMConfig itself
-    # (lerobot's) when zoo.policies.fast_wam.unit fabricates.
+    # (lerobot's) when zoo.policies.fast_wam.checkpoint fabricates.
     fabricate_config: Dict[str, Any] = field(default_factory=dict)
 
     def validate(self, fail: Callable[[str, str], None]) -> None:

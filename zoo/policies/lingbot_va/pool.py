@@ -1,17 +1,5 @@
-"""LingBot-VA's export unit core: one DiT step over an explicit KV pool.
-
-LeRobot's ``WanAttention`` keeps its KV cache in Python dicts and picks slots with ``nonzero`` and
-data-dependent eviction (``lingbot_va/utils.py:585-632``), which ``torch.export`` cannot trace. Here the cache
-becomes a fixed, zero-initialised pool ``[layers, B, T_pool, heads, head_dim]``: each step writes its new K/V
-with ``index_copy_`` at slots the host chose and attends over the whole pool under a bool mask. This equals
-LeRobot's attention over ``[valid slots] ∪ [new tokens]`` because softmax is permutation invariant over keys
-and a masked key contributes exactly zero, as long as masked slots hold finite values (hence zeros, never
-``torch.empty``). RoPE is applied to K before it is stored, in both.
-
-The DiT itself is LeRobot's ``WanTransformer3DModel``, called unchanged; only each self-attention's
-``attn_op`` is swapped for the pool attention during a call. The host chooses the slots
-(``zoo.runner.slots.HostSlotAllocator``).
-"""
+"""LingBot-VA's export unit core: one DiT step (LeRobot's ``WanTransformer3DModel``, called unchanged) over an
+explicit, fixed KV pool instead of LeRobot's data-dependent cache, which ``torch.export`` cannot trace."""
 
 from __future__ import annotations
 
@@ -101,6 +89,14 @@ class PoolStep(torch.nn.Module):
                 attn.attn_op = op
 
 
+# LeRobot's ``WanAttention`` keeps its KV cache in Python dicts and picks slots with ``nonzero`` and
+# data-dependent eviction (``lingbot_va/utils.py:585-632``). Here the cache is a zero-initialised pool
+# ``[layers, B, T_pool, heads, head_dim]``: each step writes its new K/V with ``index_copy_`` at slots the host
+# chose (``zoo.runner.slots.HostSlotAllocator``) and attends over the whole pool under a bool mask. This equals
+# LeRobot's attention over ``[valid slots] ∪ [new tokens]`` because softmax is permutation invariant over keys and
+# a masked key contributes exactly zero, as long as masked slots hold finite values (hence zeros, never
+# ``torch.empty``). RoPE is applied to K before it is stored, in both. Only each self-attention's ``attn_op`` is
+# swapped for the pool attention, during a call.
 def _pool_attention(call: _StepCall, layer: int, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor) -> torch.Tensor:
     """Replacement for ``WanAttention.attn_op`` (``custom_sdpa``): ``[B, L, H, D]`` in and out, K already roped."""

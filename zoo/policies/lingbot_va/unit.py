@@ -1,182 +1,43 @@
-"""LingBot-VA (LeRobot 0.6.1): the export unit is one DiT step per stream over an explicit KV pool.
+"""LingBot-VA (LeRobot 0.6.1): the family's entry points and ``build_unit``, one DiT step per stream over an
+explicit KV pool (``pool.py``) plus the streaming VAE encode (``vae.py``).
 
-``video_step`` and ``action_step`` each run LeRobot's own ``WanTransformer3DModel`` once, with the stateful,
-data-dependent KV cache replaced by a fixed zero-initialised pool (``zoo/policies/lingbot_va_pool.py``).
 The host keeps what LeRobot's ``_infer`` loop does around those calls: slot bookkeeping (``HostSlotAllocator``),
-the two flow-matching schedulers, CFG, grid ids, the VAE and the UMT5 text encoder; ``host_settings`` carries
-the numbers it needs.
-
-Recipe knobs (unit.options: LingbotVaOptions, zoo/policies/lingbot_va_options.py):
-  unit.options.policy_config  LingBotVAConfig fields. Tiny recipes fabricate their checkpoint from them; for
-                              every recipe ``build_unit`` checks the checkpoint's config.json against them
-                              (except dtype/attn_mode/device, which zoo sets itself), so a checkpoint for a
-                              different camera layout or size is refused before export.
-  inputs.batch / text_len / pool_tokens
-                              optional: the static sizes the recipe expects; checked against the checkpoint.
-  lowering.kv_pool            "io" (pool passed in and returned) or "buffer" (pool is a mutable buffer).
+the two flow-matching schedulers, CFG, grid ids and the UMT5 text encoder; ``host_settings`` carries the numbers
+it needs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import math
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List
 
 import torch
 
-from zoo.core.errors import ExportError, PullError, RecipeError
 from zoo.contract.recipes import Recipe
-from zoo.runner.prompt import PromptEmbedding
+from zoo.core.errors import ExportError, PullError
 from zoo.policies.base import ExportUnit, InputSpec, MethodSpec, feature_record
 from zoo.policies.lingbot_va import vae as vae_stream
-from zoo.policies.fast_init import built_on_meta
+from zoo.policies.lingbot_va.checkpoint import fabricate_checkpoint, fabricated_config, save_frozen_repo
+from zoo.policies.lingbot_va.loading import load_policy
 from zoo.policies.lingbot_va.pool import PoolStep, zero_pools
-from zoo.policies.tiny_wan import Z_DIM, tiny_wan22_vae
+from zoo.policies.lingbot_va.recipe import DIT_METHODS, FAMILY, POLICY_TYPE, VAE_METHODS, validate_recipe
+from zoo.policies.lingbot_va.reference import LeRobotSteps, embed_prompt, float32_reference_noise, lerobot_policy
+from zoo.policies.tiny_wan import Z_DIM
 
 # lerobot is the policies extra: zoo.policies.load_family turns a failed import into an ExportError with a hint.
-from lerobot.policies.lingbot_va import LingBotVAConfig, LingBotVAPolicy
-from lerobot.policies.lingbot_va.utils import WanTransformer3DModel
+from lerobot.policies.lingbot_va import LingBotVAPolicy
 
-FAMILY = "lingbot_va"
-POLICY_TYPE = "lingbot_va"  # the "type" key LeRobot writes into config.json for this policy
-DIT_METHODS = ("video_step", "action_step")
-# The streaming Wan2.2 VAE encode of observed frames (zoo/policies/lingbot_va_vae.py), so the deploy side runs
-# no PyTorch model code: both or neither.
-VAE_METHODS = (vae_stream.FIRST_METHOD, vae_stream.STEP_METHOD)
-METHODS = DIT_METHODS + VAE_METHODS
-UNIT_DTYPES = ("float32", "bfloat16")  # LingBot-VA's own dtype table has no float64
-# Set by zoo whatever the checkpoint says: export needs plain SDPA ("flex" is training-only and compiles
-# itself, "flashattn" is an opaque extension), a CPU build, and the recipe's dtype.
-ZOO_SET_FIELDS = ("dtype", "attn_mode", "device")
-INPUT_KEYS = ("batch", "text_len", "pool_tokens")
+# The family contract (zoo/policies/__init__.py), the policy check's noise hook, and what the real-size scripts
+# call on the family module (scripts/bench_chunk.py, bench_real_size.py, lowering_levers.py).
+__all__ = ["build_unit", "check_recipe", "fabricate_checkpoint", "lerobot_policy", "embed_prompt",
+           "float32_reference_noise", "load_policy", "DIT_METHODS"]
+_validate_recipe = validate_recipe
+_fabricated_config = fabricated_config
+_save_frozen_repo = save_frozen_repo
+
 LATENT_CHANNELS = Z_DIM  # Wan2.2 VAE z_dim; LeRobot hard-codes it (modeling_lingbot_va.py:756)
-SAFETENSORS = "model.safetensors"
-
-
-# ----------------------------------------------------------------------------------------------------------
-# recipe options
-
-
-def _policy_config_options(recipe: Recipe) -> Dict[str, Any]:
-    """unit.options.policy_config, its keys checked against LeRobot's LingBotVAConfig (the schema cannot: it
-    is lerobot's class, and recipes load without lerobot)."""
-    policy_config = dict(recipe.unit.options.policy_config)
-    fields = {f.name for f in dataclasses.fields(LingBotVAConfig)}
-    bad = sorted(set(policy_config) - fields)
-    if bad:
-        raise RecipeError(f"recipe {recipe.name!r}: unit.options.policy_config has unknown field(s) {bad}",
-                          "use field names of lerobot's LingBotVAConfig, e.g. num_layers, attn_window, height")
-    return policy_config
-
-
-def _validate_recipe(recipe: Recipe) -> Dict[str, Any]:
-    """Check the LingBot-specific parts of a recipe; return its policy_config."""
-    methods = list(recipe.unit.methods)
-    if not methods or len(set(methods)) != len(methods) or not set(methods) <= set(METHODS):
-        raise RecipeError(f"recipe {recipe.name!r}: unit.methods={methods} is not valid for LingBot-VA",
-                          f"list each of {', '.join(METHODS)} at most once")
-    if len(set(methods) & set(VAE_METHODS)) == 1:
-        raise RecipeError(f"recipe {recipe.name!r}: unit.methods lists only one of {list(VAE_METHODS)}",
-                          "the streaming VAE encode needs both: the episode's first call and the later ones")
-    if recipe.unit.dtype not in UNIT_DTYPES:
-        raise RecipeError(f"recipe {recipe.name!r}: unit.dtype={recipe.unit.dtype!r} is not supported by LingBot-VA",
-                          f"use one of: {', '.join(UNIT_DTYPES)}")
-    if recipe.dynamic:
-        raise RecipeError(f"recipe {recipe.name!r}: LingBot-VA units have only static shapes, but dynamic "
-                          f"dims {sorted(recipe.dynamic)} are set",
-                          "remove `dynamic:`; batch, frames, text length and pool size come from the checkpoint")
-    unknown = sorted(set(recipe.inputs) - set(INPUT_KEYS))
-    if unknown:
-        raise RecipeError(f"recipe {recipe.name!r}: unknown inputs key(s) {unknown} for LingBot-VA",
-                          f"known keys: {', '.join(INPUT_KEYS)}")
-    for key, value in recipe.inputs.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise RecipeError(f"recipe {recipe.name!r}: inputs.{key}={value!r} is not a positive integer",
-                              "give the size as a whole number")
-    return _policy_config_options(recipe)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# loading
-
-
-def _read_config_json(checkpoint_dir: Path) -> Dict[str, Any]:
-    path = checkpoint_dir / "config.json"
-    if not path.is_file():
-        raise PullError(f"{checkpoint_dir} has no config.json, so it is not a LeRobot policy checkpoint",
-                        "point the recipe's source at a LeRobot LingBot-VA repo, e.g. lerobot/lingbot_va_libero_long")
-    try:
-        raw = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise PullError(f"{path} is not valid JSON: {exc}", "re-download the checkpoint") from None
-    if not isinstance(raw, dict):
-        raise PullError(f"{path} does not hold a JSON object", "re-download the checkpoint")
-    kind = raw.get("type")
-    if kind != POLICY_TYPE:
-        raise PullError(f"{checkpoint_dir} holds a {kind!r} policy (config.json \"type\"), not LingBot-VA "
-                        f"({POLICY_TYPE!r})",
-                        "use a recipe of that policy's family, or point this recipe at a LingBot-VA checkpoint")
-    return raw
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-def _check_policy_config(config: LingBotVAConfig, expected: Dict[str, Any], checkpoint_dir: Path,
-                         recipe: Recipe) -> None:
-    wrong = [f"{key}={getattr(config, key)!r} (recipe expects {value!r})"
-             for key, value in sorted(expected.items())
-             if key not in ZOO_SET_FIELDS and not _same(getattr(config, key), value)]
-    if wrong:
-        raise PullError(f"checkpoint {checkpoint_dir} does not match recipe {recipe.name!r}: " + "; ".join(wrong),
-                        "point the recipe at the checkpoint it was written for, or write a recipe for this one "
-                        "(unit.options.policy_config)")
-
-
-def load_policy(checkpoint_dir: Path, recipe: Recipe) -> LingBotVAPolicy:
-    """LeRobot's own ``LingBotVAPolicy.from_pretrained(strict=True)``, with attn_mode/dtype/device set by zoo."""
-    checkpoint_dir = Path(checkpoint_dir)
-    expected = _validate_recipe(recipe)
-    _read_config_json(checkpoint_dir)
-    if not (checkpoint_dir / SAFETENSORS).is_file():
-        raise PullError(f"{checkpoint_dir} has no {SAFETENSORS}",
-                        "LeRobot policies load one unsharded model.safetensors; re-download the checkpoint")
-    from lerobot.configs.policies import PreTrainedConfig
-
-    try:
-        config = PreTrainedConfig.from_pretrained(checkpoint_dir)
-    except Exception as exc:  # draccus raises a zoo of types for ill-typed fields; all mean the same here
-        raise PullError(f"{checkpoint_dir}/config.json is not a valid LingBot-VA config: {exc}",
-                        "re-download the checkpoint, or fix the field named above") from None
-    config.attn_mode = "torch"
-    config.dtype = recipe.unit.dtype
-    config.device = "cpu"  # export runs on the CPU; lowering moves the program to the GPU itself
-    _check_policy_config(config, expected, checkpoint_dir, recipe)
-    try:
-        # The policy builds the transformer, casts it whole to config.dtype (modeling_lingbot_va.py:95, as
-        # LeRobot's inference does), then loads the file; strict=True turns missing/unexpected keys into errors.
-        # The transformer's parameters are built on meta and take the file's tensors by assignment: no random
-        # initialisation of 5 B values that the file overwrites (zoo.policies.fast_init).
-        with built_on_meta(LingBotVAPolicy, [WanTransformer3DModel]):
-            policy = LingBotVAPolicy.from_pretrained(checkpoint_dir, config=config, strict=True)
-    except Exception as exc:  # safetensors' own error type, RuntimeError for key/shape mismatch, OSError
-        raise PullError(f"the weights in {checkpoint_dir / SAFETENSORS} do not load into LingBot-VA "
-                        f"({config.num_layers} layers, {config.num_attention_heads} heads): {_short(exc)}",
-                        "the file is incomplete, corrupt or for another model size; re-download the checkpoint "
-                        "(missing, unexpected or mis-shaped tensors are named above)") from None
-    return policy.eval()
-
-
-def _short(exc: BaseException, limit: int = 600) -> str:
-    """torch's load_state_dict message on one line (it names the missing and mis-shaped keys), capped."""
-    text = " ".join(part.strip() for part in str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -394,38 +255,9 @@ def _host_files(checkpoint_dir: Path) -> List[Path]:
     return files
 
 
-class LeRobotSteps:
-    """LeRobot's own stateful transformer calls, exactly as ``_infer`` / ``_compute_kv_cache`` make them.
-
-    The reference the unit is judged against: ``steps(method, noisy_latents, timesteps, grid_id, text_emb,
-    update_cache)`` runs ``policy.transformer`` with its own KV cache (created on first use the way
-    ``_init_streaming_cache`` does), and ``clear_predictions()`` is ``clear_pred_cache``.
-    """
-
-    cache_name = "pos"  # the name LingBotVAPolicy uses
-
-    def __init__(self, policy: LingBotVAPolicy):
-        self.policy = policy
-        policy.reset()
-        policy._init_streaming_cache(None)
-
-    @torch.no_grad()
-    def __call__(self, method: str, noisy_latents: torch.Tensor, timesteps: torch.Tensor, grid_id: torch.Tensor,
-                 text_emb: torch.Tensor, update_cache: int) -> torch.Tensor:
-        inputs = {"noisy_latents": noisy_latents, "timesteps": timesteps, "grid_id": grid_id, "text_emb": text_emb}
-        return self.policy.transformer(inputs, update_cache=update_cache, cache_name=self.cache_name,
-                                       action_mode=(method == "action_step"))
-
-    def clear_predictions(self) -> None:
-        self.policy.transformer.clear_pred_cache(self.cache_name)
-
-    def cache(self, layer: int) -> Dict[str, torch.Tensor]:
-        return self.policy.transformer.blocks[layer].attn1.attn_caches[self.cache_name]
-
-
 def check_recipe(recipe: Recipe) -> None:
     """What the pipeline asks before fabricating or downloading anything: can this recipe be built?"""
-    _validate_recipe(recipe)
+    validate_recipe(recipe)
 
 
 def _vae_methods(policy: LingBotVAPolicy, dtype: str) -> Dict[str, MethodSpec]:
@@ -459,12 +291,14 @@ def _vae_methods(policy: LingBotVAPolicy, dtype: str) -> Dict[str, MethodSpec]:
 
 
 def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
+    """Load the checkpoint with LeRobot's classes and cut out the recipe's methods: each DiT step over the KV
+    pool, and the streaming VAE encode when the recipe lists it."""
     checkpoint_dir = Path(checkpoint_dir)
     policy = load_policy(checkpoint_dir, recipe)
     layout = _layout(policy)
     _check_inputs(recipe, layout, checkpoint_dir)
     dtype = recipe.unit.dtype
-    kv_pool = recipe.lowering.kv_pool
+    kv_pool = recipe.lowering.kv_pool  # "io": the pool passed in and returned; "buffer": a mutable buffer
     shared = zero_pools(layout.pool, getattr(torch, dtype)) if kv_pool == "buffer" else None
     vae = _vae_methods(policy, dtype) if set(VAE_METHODS) & set(recipe.unit.methods) else {}
     methods: Dict[str, MethodSpec] = {}
@@ -484,142 +318,3 @@ def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
         settings["vae"] = _vae_settings(policy, vae)
     return ExportUnit(family=FAMILY, methods=methods, host_settings=settings,
                       host_files=_host_files(checkpoint_dir), reference=lambda: LeRobotSteps(policy))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# the deploy side's counterparts (zoo.runner): LeRobot's whole policy, and prompt embeddings
-
-
-def lerobot_policy(checkpoint_dir: Path, recipe: Recipe, device: str = "cpu"):
-    """LeRobot's own policy as a control loop builds it: ``(policy, preprocessor, postprocessor)`` on
-    ``device``, with its VAE, UMT5 and tokenizer loaded now. LeRobot loads them lazily on the first call; up
-    front, an episode's use of the global generator is the noise alone, whatever a loader might draw."""
-    from lerobot.policies.factory import make_pre_post_processors
-
-    policy = load_policy(checkpoint_dir, recipe)
-    policy.config.device = device
-    policy.to(device)
-    policy._ensure_frozen_modules()
-    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(checkpoint_dir),
-                                         preprocessor_overrides={"device_processor": {"device": device}})
-    return policy, pre, post
-
-
-@contextlib.contextmanager
-def float32_reference_noise(low_dtype: torch.dtype) -> Iterator[None]:
-    """While LeRobot's float32 policy runs the reference episode for a ``low_dtype`` unit, draw its noise as the
-    ``low_dtype`` policy does: each ``torch.randn`` asking for float32 (or the float32 default dtype) draws in
-    ``low_dtype`` from the same generator and returns that draw upcast to float32 (exact).
-
-    Why: LeRobot's LingBot-VA draws its latent and action noise in the policy's dtype
-    (modeling_lingbot_va.py:756-758, ``torch.randn(..., dtype=self.dtype)``), and torch's bf16 and float32
-    normal draws from one seed are different numbers (cosine ~0.03 for 100 values), consuming the generator
-    differently too. Without this, the float32 reference samples from other noise, and the bf16 rule measures
-    a different sample rather than precision. (Fast-WAM draws in float32 and casts, so it needs no hook.)
-    ``torch.randn`` is restored on exit, also on error."""
-    original = torch.randn
-
-    def randn(*size, dtype=None, **kwargs):
-        wants_float32 = (dtype or torch.get_default_dtype()) == torch.float32
-        if not wants_float32 or kwargs.get("out") is not None:
-            return original(*size, dtype=dtype, **kwargs)
-        return original(*size, dtype=low_dtype, **kwargs).to(torch.float32)
-
-    torch.randn = randn
-    try:
-        yield
-    finally:
-        torch.randn = original
-
-
-def embed_prompt(policy: LingBotVAPolicy, task: str):
-    """What ``python -m zoo prompt`` writes for LingBot-VA: LeRobot's own ``_encode_prompt`` of the task
-    (UMT5, padded to max_sequence_length) and, when the policy runs CFG, of the empty negative prompt."""
-    policy._ensure_frozen_modules()
-    with torch.no_grad():
-        prompt, negative = policy._encode_prompt(task or "")
-    tensors = {"prompt_embeds": prompt}
-    if negative is not None:
-        tensors["negative_prompt_embeds"] = negative
-    return PromptEmbedding(task, POLICY_TYPE, tensors)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# fabricated checkpoints (tiny recipes)
-
-
-def _fabricated_config(recipe: Recipe, policy_config: Dict[str, Any]) -> LingBotVAConfig:
-    from lerobot.configs.types import FeatureType, PolicyFeature
-
-    kwargs: Dict[str, Any] = {}
-    defaults = {f.name: f.default for f in dataclasses.fields(LingBotVAConfig)}
-    for key, value in policy_config.items():
-        # YAML has no tuples; draccus-typed tuple fields (patch_size, betas) need them back.
-        kwargs[key] = tuple(value) if isinstance(defaults.get(key), tuple) else value
-    kwargs.setdefault("dtype", recipe.unit.dtype)
-    kwargs["device"] = "cpu"
-    config = LingBotVAConfig(**kwargs)
-    # LingBot-VA needs a VISUAL feature per camera; the policy validates them when it is built.
-    config.input_features = {key: PolicyFeature(type=FeatureType.VISUAL, shape=(3, config.height, config.width))
-                             for key in config.obs_cam_keys}
-    return config
-
-
-def _save_policy_repo(config: LingBotVAConfig, seed: int, repo_dir: Path) -> None:
-    from lerobot.policies.lingbot_va import make_lingbot_va_pre_post_processors
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        policy = LingBotVAPolicy(config)
-    policy.save_pretrained(repo_dir)
-    g = torch.Generator().manual_seed(seed + 1)
-    n_used = len(config.used_action_channel_ids)
-    q01 = -1.0 - torch.rand(n_used, generator=g)
-    stats = {"action": {"q01": q01, "q99": q01 + 0.5 + 2.0 * torch.rand(n_used, generator=g)}}
-    pre, post = make_lingbot_va_pre_post_processors(config, dataset_stats=stats)
-    pre.save_pretrained(repo_dir)
-    post.save_pretrained(repo_dir)
-
-
-def _save_frozen_repo(config: LingBotVAConfig, seed: int, repo_dir: Path) -> None:
-    """Tiny stand-ins for ``wan_pretrained_path``'s vae/, text_encoder/, tokenizer/ (diffusers layout).
-
-    LeRobot loads them lazily on the first select_action, by Hub id, with diffusers/transformers' own loaders,
-    so they must exist under the real id for an offline run of the policy's full inference path.
-    """
-    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + 2)
-        vae = tiny_wan22_vae()  # the latent arithmetic LeRobot assumes: height // 16, 4 frames, 48 channels
-        # UMT5's width is the DiT's text_dim: its last_hidden_state feeds the text projection.
-        encoder = UMT5EncoderModel(UMT5Config(vocab_size=64, d_model=config.text_dim, d_kv=16, d_ff=64,
-                                              num_layers=1, num_heads=2, relative_attention_num_buckets=8))
-    vae.save_pretrained(repo_dir / "vae")
-    encoder.save_pretrained(repo_dir / "text_encoder")
-    # transformers 5 rebuilds T5's Unigram model from (piece, score) pairs; ids stay below vocab_size 64.
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    pieces += [(c, -3.0 - 0.01 * i) for i, c in enumerate("abcdefghijklmnopqrstuvwxyz")]
-    pieces += [("\u2581" + w, -2.5) for w in ("pick", "place", "put", "the", "bowl", "plate", "on", "in")]
-    T5TokenizerFast(vocab=pieces, extra_ids=0).save_pretrained(repo_dir / "tokenizer")
-
-
-def fabricate_checkpoint(recipe: Recipe, work_dir: Path) -> Dict[str, Path]:
-    """Seeded random LingBot-VA checkpoint at the recipe's size, in LeRobot's real repo layout.
-
-    Returns {repo_id: folder} for the recipe's repo and for ``wan_pretrained_path`` (VAE, UMT5, tokenizer),
-    which LeRobot loads by Hub id.
-    """
-    policy_config = _validate_recipe(recipe)
-    config = _fabricated_config(recipe, policy_config)
-    work_dir = Path(work_dir)
-    repos: Dict[str, Path] = {}
-    policy_dir = work_dir / recipe.source.repo_id.replace("/", "--")
-    _save_policy_repo(config, recipe.source.seed, policy_dir)
-    repos[recipe.source.repo_id] = policy_dir
-    if not Path(config.wan_pretrained_path).exists():  # a local folder is the user's own; a Hub id needs a stand-in
-        frozen_dir = work_dir / config.wan_pretrained_path.replace("/", "--")
-        _save_frozen_repo(config, recipe.source.seed, frozen_dir)
-        repos[config.wan_pretrained_path] = frozen_dir
-    return repos
-

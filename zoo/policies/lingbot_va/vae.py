@@ -1,30 +1,5 @@
-"""LingBot-VA's streaming Wan2.2 VAE encode as two exportable methods, the causal feature cache passed in and out.
-
-LeRobot encodes observations with ``WanVAEStreamingWrapper.encode_chunk`` (lingbot_va/utils.py:1110-1137):
-diffusers' causal encoder (``WanEncoder3d.forward(x, feat_cache, feat_idx)``) keeps, per causal conv, the
-last frames it saw in a Python list that persists across calls (reset per episode). That list becomes
-explicit tensors here, like LingBot's KV pool:
-
-* ``vae_encode_first``: the episode's first call (one frame per camera, every cache entry empty). Out come
-  the latent and the cache.
-* ``vae_encode``: a later call on ``FRAMES_PER_CALL`` (4) frames per camera, cache in, latent and new cache out.
-  LeRobot encodes 12 or 16 buffered keyframes in one call; the host calls this 3 or 4 times instead, which
-  is the same computation: each causal conv sees the same frame windows (its cache carries the 2 frames
-  before them), the stride-2 time convolutions start on the same frames (4 is a multiple of the whole
-  temporal downsample), and the attention in the middle block is per frame. It is also how diffusers' own
-  ``AutoencoderKLWan._encode`` chunks a video (autoencoder_kl_wan.py:1143-1153).
-
-The cache has a fixed shape so it can be an input: every 3x3x3 conv's entry holds 2 frames. After the first
-call diffusers holds only 1 there; a zero frame in front of it is exactly equivalent, because the conv pads
-its input with that many zero frames when its cache is short (``WanCausalConv3d.forward``,
-autoencoder_kl_wan.py:166-173). The temporal downsamplers' entries hold 1 frame either way.
-
-Each method also does what LeRobot does around ``encode_chunk``: the 2x2 pixel patchify (inside
-``encode_chunk``), the posterior mean, the latent normalisation ``(mu - latents_mean) * (1 / latents_std)``
-(``_normalize_vae_latent``, modeling_lingbot_va.py:545-552) and the cameras side by side on width
-(``_encode_frames``, :574-575). The host hands it the frames as ``_camera_frame`` makes them: resized, in
-[-1, 1], in the model's dtype, cameras stacked on the batch axis.
-"""
+"""LingBot-VA's streaming Wan2.2 VAE encode as two exportable methods, the causal feature cache passed in and out
+(explicit tensors, like LingBot's KV pool), so the deploy side runs no PyTorch model code."""
 
 from __future__ import annotations
 
@@ -33,13 +8,30 @@ from typing import List, Sequence, Tuple
 import torch
 from torch import nn
 
+# LeRobot encodes observations with ``WanVAEStreamingWrapper.encode_chunk`` (lingbot_va/utils.py:1110-1137):
+# diffusers' causal encoder (``WanEncoder3d.forward(x, feat_cache, feat_idx)``) keeps, per causal conv, the last
+# frames it saw in a Python list that persists across calls (reset per episode).
+# The episode's first call: one frame per camera, every cache entry empty; out come the latent and the cache.
 FIRST_METHOD = "vae_encode_first"
+# A later call: FRAMES_PER_CALL frames per camera, cache in, latent and new cache out. LeRobot encodes 12 or 16
+# buffered keyframes in one call; the host calls this 3 or 4 times instead, which is the same computation: each
+# causal conv sees the same frame windows (its cache carries the 2 frames before them), the stride-2 time
+# convolutions start on the same frames (4 is a multiple of the whole temporal downsample), and the attention in
+# the middle block is per frame. It is also how diffusers' own ``AutoencoderKLWan._encode`` chunks a video
+# (autoencoder_kl_wan.py:1143-1153).
 STEP_METHOD = "vae_encode"
 FRAMES_PER_CALL = 4  # the Wan2.2 VAE's temporal downsample
 
 
 class StreamingVaeEncode(nn.Module):
-    """One ``encode_chunk`` call with the feature cache as tensors (``first``: the episode's first call)."""
+    """One ``encode_chunk`` call with the feature cache as tensors (``first``: the episode's first call).
+
+    It also does what LeRobot does around ``encode_chunk``: the 2x2 pixel patchify (inside ``encode_chunk``),
+    the posterior mean, the latent normalisation ``(mu - latents_mean) * (1 / latents_std)``
+    (``_normalize_vae_latent``, modeling_lingbot_va.py:545-552) and the cameras side by side on width
+    (``_encode_frames``, :574-575). The host hands it the frames as ``_camera_frame`` makes them: resized, in
+    [-1, 1], in the model's dtype, cameras stacked on the batch axis.
+    """
 
     def __init__(self, vae: nn.Module, first: bool, conv_cache: Sequence[bool]):
         super().__init__()
@@ -69,7 +61,11 @@ class StreamingVaeEncode(nn.Module):
         latent = latent.permute(1, 2, 3, 0, 4).reshape(1, channels, frames_out, h, cams * w)
         out = []
         for entry, is_conv in zip(feat_cache, self.conv_cache):
-            if is_conv and entry.shape[2] == 1:  # first call: a zero frame in front, as the conv's own padding
+            # The cache has a fixed shape so it can be an input: every 3x3x3 conv's entry holds 2 frames. After
+            # the first call diffusers holds only 1 there; a zero frame in front of it is exactly equivalent,
+            # because the conv pads its input with that many zero frames when its cache is short
+            # (``WanCausalConv3d.forward``, autoencoder_kl_wan.py:166-173). Temporal downsamplers hold 1 either way.
+            if is_conv and entry.shape[2] == 1:
                 entry = torch.cat([torch.zeros_like(entry), entry], dim=2)
             out.append(entry)
         return (latent, *out)
