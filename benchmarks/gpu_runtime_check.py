@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch  # noqa: E402
 
-from zoo.contract.releases import executorch as et_runtime
+from zoo.runtimes import executorch as et_runtime
 from zoo.export import verify  # noqa: E402
 from zoo.contract.artifact import extract_method_files  # noqa: E402
 from zoo.core.errors import ZooError  # noqa: E402

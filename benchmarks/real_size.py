@@ -33,7 +33,10 @@ it goes on through assembly, the audit, verification (torch's AOTI CPU runner) a
 times eager only (the probe's module is found on PYTHONPATH, by this process and by the lowering workers):
 
     PYTHONPATH=$PWD/tests/fixtures python benchmarks/real_size.py --out /tmp/rs --dry-run --workers 2 \
-        --method-lowering aoti_cpu_probe:lower_probe --runner-factory aoti_cpu_probe:CpuRunner
+        --methods video_step,action_step --method-lowering aoti_cpu_probe:lower_probe \
+        --runner-factory aoti_cpu_probe:CpuRunner
+
+(the tiny recipe's VAE methods would load the real Wan2.2 VAE by Hub id: name the DiT steps on a machine without it)
 """
 
 from __future__ import annotations
