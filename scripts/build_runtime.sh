@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Build ExecuTorch's C++ runtime with its CUDA backend, plus zoo's runner (runtime/cpp), offline, from source:
+# Build ExecuTorch's C++ runtime with its CUDA backend, plus zoo's runner (runtime/cpp), from source:
 #   scripts/build_runtime.sh SRC OUT_DIR [--cpu] [--jobs N]
-# SRC: an ExecuTorch source tarball (.tar.xz/.tar.gz, extracting to executorch/, e.g. the v1.2.0 one in
-#      ../shared/third-party/) or an unpacked ExecuTorch tree with the submodules its root CMakeLists adds.
-# OUT_DIR: gets src/ (the unpacked tarball), build/ (CMake + ninja), build.log, stamp.json, status, and the runner
+#   scripts/build_runtime.sh --tarball FILE OUT_DIR [--cpu] [--jobs N]                 (offline)
+# SRC: an ExecuTorch source tree with the submodules its root CMakeLists adds, as
+#      `git clone --branch v1.2.0 --recursive https://github.com/pytorch/executorch` makes one; or a tag (v1.2.0):
+#      then the script makes that clone itself, once, into OUT_DIR/src/executorch ($ZOO_EXECUTORCH_GIT: another
+#      remote or a local mirror).
+# --tarball FILE: an ExecuTorch source tarball (.tar.xz/.tar.gz) extracting to executorch/ with those submodules,
+#      for a machine without network (docs/runtime.md: how to make one from the clone).
+# OUT_DIR: gets src/ (the unpacked tarball or the clone), build/ (CMake + ninja), build.log, stamp.json, status, and the runner
 #      at OUT_DIR/build/zoo_runner. The last line on stderr (and in build.log) is the wall time.
 # In the background: `nice -n 10 scripts/build_runtime.sh SRC OUT > OUT.console 2>&1 &`, then poll OUT/status: one
 #      line, "running: ...", then "ok: built in N s wall ...; runner PATH" or "failed: exit N after N s; log ...".
@@ -20,20 +25,33 @@ set -euo pipefail
 # what the running build does next.
 main() {
 
-usage() { echo "usage: scripts/build_runtime.sh SRC OUT_DIR [--cpu] [--jobs N]   (SRC: ExecuTorch source tarball or tree)" >&2; exit 2; }
-[ $# -ge 2 ] || usage
-SRC="$1"; OUT="$2"; shift 2
+usage() {
+  echo "usage: scripts/build_runtime.sh SRC OUT_DIR [--cpu] [--jobs N]   (SRC: an ExecuTorch source tree, or a tag: v1.2.0)" >&2
+  echo "       scripts/build_runtime.sh --tarball FILE OUT_DIR [--cpu] [--jobs N]   (offline: an ExecuTorch source tarball)" >&2
+  exit 2
+}
 CUDA="${ZOO_RUNTIME_CUDA:-ON}"
 JOBS="${JOBS:-$(nproc)}"
+TARBALL=""; ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --cpu) CUDA=OFF ;;
     --cuda) CUDA=ON ;;
     --jobs) [ $# -ge 2 ] || usage; JOBS="$2"; shift ;;
-    *) usage ;;
+    --tarball) [ $# -ge 2 ] || usage; TARBALL="$2"; shift ;;
+    -*) usage ;;
+    *) ARGS+=("$1") ;;
   esac
   shift
 done
+if [ -n "$TARBALL" ]; then
+  [ ${#ARGS[@]} -eq 1 ] || usage
+  [ -f "$TARBALL" ] || { echo "[build_runtime] --tarball $TARBALL: no such file" >&2; exit 2; }
+  SRC="$TARBALL"; OUT="${ARGS[0]}"
+else
+  [ ${#ARGS[@]} -eq 2 ] || usage
+  SRC="${ARGS[0]}"; OUT="${ARGS[1]}"
+fi
 case "$CUDA" in ON|on|1|true) CUDA=ON ;; OFF|off|0|false) CUDA=OFF ;; *) echo "ZOO_RUNTIME_CUDA must be ON or OFF" >&2; exit 2 ;; esac
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
@@ -84,8 +102,28 @@ elif [ -f "$SRC/CMakeLists.txt" ] && [ -f "$SRC/version.txt" ]; then
   else
     mkdir -p "$OUT/src"; ln -sfn "$SRC" "$OUT/src/executorch"; ET_DIR="$OUT/src/executorch"
   fi
+elif [ ! -e "$SRC" ] && [[ "$SRC" =~ ^(v[0-9][0-9A-Za-z.+-]*|main|release/[0-9][0-9.]*)$ ]]; then
+  # A tag or branch: the clone a user makes, once per remote and ref, into OUT_DIR/src/executorch.
+  GIT_URL="${ZOO_EXECUTORCH_GIT:-https://github.com/pytorch/executorch}"
+  ET_DIR="$OUT/src/executorch"
+  if [ "$(cat "$OUT/src/.source-ref" 2>/dev/null || true)" != "$GIT_URL $SRC" ] || [ ! -f "$ET_DIR/version.txt" ]; then
+    command -v git >/dev/null || { echo "[build_runtime] cloning $SRC needs git; or pass a source tree or --tarball FILE" >&2; exit 2; }
+    echo "[build_runtime] git clone --branch $SRC --recursive $GIT_URL (once for this OUT_DIR)" >&2
+    rm -rf "$OUT/src" "$OUT/src.tmp" "$BUILD"
+    mkdir -p "$OUT/src.tmp"
+    if ! git clone --quiet --branch "$SRC" --recursive "$GIT_URL" "$OUT/src.tmp/executorch" >&2; then
+      rm -rf "$OUT/src.tmp"
+      echo "[build_runtime] git clone of $SRC from $GIT_URL failed (no network? clone elsewhere and pass the tree, or --tarball FILE)" >&2
+      exit 2
+    fi
+    echo "$GIT_URL $SRC" > "$OUT/src.tmp/.source-ref"
+    mv "$OUT/src.tmp" "$OUT/src"
+  fi
+  # The commit and every submodule's: a clone moved to another commit is rebuilt from scratch.
+  SRC_HASH="git:$( (git -C "$ET_DIR" rev-parse HEAD; git -C "$ET_DIR" submodule status --recursive) | sha256sum | cut -d' ' -f1)"
 else
-  echo "[build_runtime] $SRC is neither an ExecuTorch source tarball nor an ExecuTorch tree (no CMakeLists.txt + version.txt)" >&2
+  echo "[build_runtime] $SRC is neither an ExecuTorch source tree (CMakeLists.txt + version.txt), a tag (v1.2.0)" \
+       "nor a source tarball (--tarball FILE)" >&2
   exit 2
 fi
 ET_VERSION="$(tr -d '[:space:]' < "$ET_DIR/version.txt")"

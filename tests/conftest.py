@@ -156,7 +156,7 @@ def pytest_runtest_logreport(report):
 
 def pytest_terminal_summary(terminalreporter):
     """The fault-injection table at the end of the session, and as JSON lines where ZOO_FAULT_TABLE names a file
-    (scripts/fault_table.py)."""
+    (tools/fault_table.py)."""
     if not FAULT_ROWS or hasattr(terminalreporter.config, "workerinput"):
         return
     import fault_injection

@@ -1,4 +1,4 @@
-"""Fault injection for zoo's command lines (issue 15): each case runs a real zoo command in a child process over
+"""Fault injection for zoo's command lines: each case runs a real zoo command in a child process over
 a copy of a good, verified run, with one fault injected from outside zoo's code, and reports what the user saw
 and whether the earlier run is byte for byte as it was.
 
@@ -407,7 +407,7 @@ def markdown_table(rows: List[List[str]]) -> str:
 
 
 def write_table_rows(path: Path, rows: List[List[str]]) -> None:
-    """Append outcomes' rows as JSON lines (``scripts/fault_table.py`` reads them)."""
+    """Append outcomes' rows as JSON lines (``tools/fault_table.py`` reads them)."""
     with open(path, "a") as fh:
         for row in rows:
             fh.write(json.dumps(row) + "\n")

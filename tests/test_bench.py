@@ -30,6 +30,7 @@ from zoo.bench import (
     percentile,
 )
 from zoo.bench.rotary import ComplexRope, RotaryCase, angle_table, bench_case, parse_case, rewritten_rope, rope_bytes
+from zoo.bench.seeded import parse_unit
 from zoo.core.errors import NoGpuError, ZooError
 from zoo.rewrites.complex_to_real import replace_complex_with_real
 from zoo.policies.base import InputSpec
@@ -466,26 +467,11 @@ def test_zoo_command_line_dispatches_bench(run_folder, tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------
-# scripts/bench_real_size.py: unit selection (its seeded weights: tests/test_fast_init.py)
+# zoo.bench.seeded: the real-size benchmarks' unit selection (its seeded weights: tests/test_fast_init.py)
 
 
-@pytest.fixture(scope="module")
-def real_size_script():
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_real_size.py"
-    spec = importlib.util.spec_from_file_location("zoo_bench_real_size", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
-
-
-def test_real_size_units_parse_sizes_and_methods(real_size_script):
-    parse = real_size_script.parse_unit
+def test_real_size_units_parse_sizes_and_methods():
+    parse = parse_unit
     assert parse("llama:128,512").sizes == [128, 512]
     assert parse("llama").sizes == [128, 512, 2048]
     assert parse("fast_wam").methods == ["action_step"]
@@ -502,7 +488,7 @@ def test_a_tiny_or_cpu_chunk_timing_is_refused_for_zoos_own_table(tmp_path):
     from zoo.contract.chunk_latency import MEASURED_JSON
 
     before = MEASURED_JSON.read_bytes() if MEASURED_JSON.exists() else None
-    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_chunk.py"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_chunk.py"
     done = subprocess.run([sys.executable, str(script), "--tiny", "--device", "cpu", "--backend", "eager",
                            "--out", str(tmp_path / "out"), "--record"], capture_output=True, text=True, timeout=600)
     assert done.returncode != 0

@@ -155,7 +155,7 @@ def test_bundle_hub_cache_loads_offline_through_the_real_pull(local_index, tmp_p
 
 def test_tiny_recipes_hub_cache_leaves_room_for_the_wheels_under_60_mb(tmp_path):
     """The three tiny recipes' checkpoints, as a bundle carries them, stay under 9 MB: with the 50.2 MB of
-    wheels the lent H200 image needs, the bundle stays under the 60 MB the offline issue asks for."""
+    wheels the H200's CUDA image needs, the bundle stays under its 60 MB budget."""
     from safetensors import safe_open
 
     from zoo.cli.bundle import add_checkpoints

@@ -49,7 +49,7 @@ def test_list_shows_every_recipe(capsys):
 
 def test_list_pattern(capsys):
     assert zoo_main.main(["list", "*-tiny"]) == 0
-    # Notes wrap onto continuation lines, which start blank (issue 15): a row starts with its name.
+    # Notes wrap onto continuation lines, which start blank: a row starts with its name.
     names = [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:] if not line.startswith(" ")]
     assert names == recipe_names(pattern="*-tiny") and names
 

@@ -1,4 +1,4 @@
-"""The command lines as a person meets them (issue 15): every command's --help documents its exit codes,
+"""The command lines as a person meets them: every command's --help documents its exit codes,
 `zoo doctor RUN` takes run folders as positional arguments and says why it exits 1, `zoo list` wraps its notes
 instead of cutting them, and report.md opens with the status, what ran, what was skipped and why, and the
 next command, in compact tables with no JSON."""

@@ -1,8 +1,8 @@
-"""Fault injection (issue 15), in CI: for each stage of the pipeline, SIGINT, SIGKILL and a full disk; damaged
+"""Fault injection, in CI: for each stage of the pipeline, SIGINT, SIGKILL and a full disk; damaged
 model.pte / .ptd / .so / programs given to lower, audit, verify and publish; a truncated model.safetensors at
 pull. Every case must give a clear message with no traceback and its documented exit code, and leave the earlier
 good run byte for byte as it was (sha256 of every file). The cases and the wrapper that injects them are in
-tests/fault_injection.py; ``scripts/fault_table.py`` prints the table, and the session ends with it.
+tests/fault_injection.py; ``tools/fault_table.py`` prints the table, and a pytest run ends with it.
 """
 
 from __future__ import annotations

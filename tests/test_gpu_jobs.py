@@ -1,11 +1,11 @@
-"""scripts/gpu_jobs.sh: the background jobs a GPU session starts in one call and waits on in the next."""
+"""tools/gpu_jobs.sh: background jobs on a GPU box, started by one command and waited on by later ones."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_jobs.sh"
+SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "gpu_jobs.sh"
 
 
 def jobs(*args: str, check: bool = True) -> subprocess.CompletedProcess:

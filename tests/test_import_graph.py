@@ -4,7 +4,8 @@ import inside a function, is found too:
   - no import circle among zoo's modules;
   - no import of a zoo module inside a function body, except the ones listed below, each with its reason;
   - no module imports one of a higher layer;
-  - scripts/ and tests/ do not import from each other.
+  - the programs around the package (scripts/, benchmarks/, tools/) import zoo only: not each other, not tests/,
+    and they leave sys.path alone (zoo is installed); tests/ runs them as programs at most, and loads none.
 """
 
 from __future__ import annotations
@@ -57,12 +58,16 @@ def layer_of(module: str) -> Optional[int]:
 DEPLOY = ("zoo.runner", "zoo.runtimes")
 DEPLOY_MAY_IMPORT = ("zoo.core", "zoo.contract", "zoo.runner", "zoo.runtimes", "zoo.policies")
 
-# Test modules that still load a script, and why.
+# The folders of programs around the package: each file runs as a program, with zoo installed.
+PROGRAM_FOLDERS = ("scripts", "benchmarks", "tools")
+
+# Test modules that name a file of those folders, and why: each runs it as a program and loads none of them.
 TESTS_LOADING_SCRIPTS = {
-    "tests/test_bench.py": "parse_unit of bench_real_size",
-    "tests/test_gpu_jobs.py": "runs scripts/gpu_jobs.sh as a program (bash); no Python is loaded from scripts/",
-    "tests/policies/test_bench_chunk_seeded.py": "runs scripts/bench_chunk.py as a program (the real-size weights "
-                                                 "path at tiny size); no Python is loaded from scripts/",
+    "tests/test_bench.py": "runs benchmarks/bench_chunk.py as a program (its refusal to record a tiny run)",
+    "tests/test_gpu_jobs.py": "runs tools/gpu_jobs.sh as a program (bash)",
+    "tests/test_build_runtime.py": "runs scripts/build_runtime.sh as a program (bash), with stand-in tools",
+    "tests/policies/test_bench_chunk_seeded.py": "runs benchmarks/bench_chunk.py as a program (the real-size "
+                                                 "weights path at tiny size)",
 }
 
 
@@ -212,19 +217,28 @@ def test_importing_the_runner_loads_no_exporter_module():
     assert not forbidden, forbidden
 
 
-IMPORTABLE = {"scripts": {"scripts"}, "tests": {"tests", "conftest", "fixtures"}}
+def program_files() -> List[Path]:
+    return sorted(p for folder in PROGRAM_FOLDERS for p in (ROOT / folder).rglob("*.py"))
+
+
+def importable_names(folder: str) -> Set[str]:
+    """What an import of ``folder``'s code would name: the folder itself, or a module of the program folders
+    (``import bench_real_size``, run from beside it)."""
+    if folder == "tests":
+        return {"tests", "conftest", "fixtures"}
+    return {folder} | {p.stem for p in program_files()}
 
 
 def _loads_from(path: Path, folder: str) -> List[str]:
     """How one source file imports from ``folder``: an import statement, or a path into it (``... / "tests"``,
     ``"tests/..."`` handed to ``spec_from_file_location`` or ``sys.path``)."""
+    names = importable_names(folder)
     found = []
     for node, _ in _walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found += [f"line {node.lineno}: import {a.name}" for a in node.names
-                      if a.name.split(".")[0] in IMPORTABLE[folder]]
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names if a.name.split(".")[0] in names]
         elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            if node.module.split(".")[0] in IMPORTABLE[folder]:
+            if node.module.split(".")[0] in names:
                 found.append(f"line {node.lineno}: from {node.module} import ...")
         elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
             if isinstance(node.right, ast.Constant) and node.right.value == folder:
@@ -236,16 +250,47 @@ def _loads_from(path: Path, folder: str) -> List[str]:
     return found
 
 
-def test_scripts_and_tests_do_not_import_each_other():
-    from_scripts = {p.relative_to(ROOT).as_posix(): _loads_from(p, "tests") for p in (ROOT / "scripts").glob("*.py")}
-    assert not {k: v for k, v in from_scripts.items() if v}
-    this = Path(__file__).resolve()  # reads the scripts as text, loads none of them
-    from_tests = {p.relative_to(ROOT).as_posix(): _loads_from(p, "scripts") for p in (ROOT / "tests").rglob("*.py")
-                  if p.resolve() != this}
-    loading = {k: v for k, v in from_tests.items() if v}
+def _sys_path_uses(path: Path) -> List[str]:
+    return [f"line {node.lineno}: sys.path" for node, _ in _walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+            and node.value.id == "sys"]
+
+
+def test_programs_import_zoo_only_and_leave_sys_path_alone():
+    assert program_files(), "no program found under " + ", ".join(PROGRAM_FOLDERS)
+    wrong = {}
+    for path in program_files():
+        found = _loads_from(path, "tests") + _sys_path_uses(path)
+        found += [hit for folder in PROGRAM_FOLDERS for hit in _loads_from(path, folder)]
+        if found:
+            wrong[path.relative_to(ROOT).as_posix()] = found
+    assert not wrong, wrong
+
+
+def test_tests_load_no_program_and_run_only_the_listed_ones():
+    this = Path(__file__).resolve()  # reads the programs as text, loads none of them
+    loading = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if path.resolve() != this:
+            found = [hit for folder in PROGRAM_FOLDERS for hit in _loads_from(path, folder)]
+            if found:
+                loading[path.relative_to(ROOT).as_posix()] = found
     assert set(loading) <= set(TESTS_LOADING_SCRIPTS), {k: v for k, v in loading.items()
                                                         if k not in TESTS_LOADING_SCRIPTS}
-    assert set(TESTS_LOADING_SCRIPTS) <= set(loading), "remove the entries of tests that no longer load a script"
+    assert set(TESTS_LOADING_SCRIPTS) <= set(loading), "remove the entries of tests that no longer run a program"
+    for test, found in loading.items():  # a path handed to the interpreter or bash, never an import
+        assert not [hit for hit in found if "import" in hit], (test, found)
+
+
+def test_the_program_checks_find_an_import_a_path_and_sys_path(tmp_path):
+    source = tmp_path / "bench_x.py"
+    source.write_text("import sys\nimport bench_real_size\nfrom tests.fixtures import probe\n"
+                      "ROOT = Path(__file__).parent / 'scripts'\nsys.path.insert(0, 'tools/x')\n")
+    assert _loads_from(source, "benchmarks") == ["line 2: import bench_real_size"]
+    assert _loads_from(source, "tests") == ["line 3: from tests.fixtures import ..."]
+    assert _loads_from(source, "scripts") == ["line 2: import bench_real_size", "line 4: a path into scripts/"]
+    assert _loads_from(source, "tools") == ["line 2: import bench_real_size", "line 5: a path into tools/"]
+    assert _sys_path_uses(source) == ["line 5: sys.path"]
 
 
 # --------------------------------------------------------------------------------------------------------

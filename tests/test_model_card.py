@@ -270,7 +270,7 @@ def test_a_llama_card_has_no_policy_to_check_and_no_runner():
 # --- the chunk latency the card quotes (zoo.contract.chunk_latency) ------------------------------------------------------
 
 
-BENCH_RECORD = {  # one policy of scripts/bench_chunk.py's results, as it writes them
+BENCH_RECORD = {  # one policy of benchmarks/bench_chunk.py's results, as it writes them
     "policy": "lingbot_va", "recipe": "lingbot-va", "dtype": "bfloat16", "actions_per_chunk": 16, "status": "done",
     "candidates": {
         "runner": {"chunk_ms": {"median": 412.34567, "p10": 401.0, "p90": 430.0}, "actions_per_second": 38.76543},
@@ -288,7 +288,7 @@ def _measured(tmp_path, monkeypatch, entries):
 
 
 def test_a_bench_record_becomes_an_entry_rounded_by_hand():
-    entry = chunk_latency.entry_from_bench(BENCH_RECORD, gpu="NVIDIA H200", command="python scripts/bench_chunk.py",
+    entry = chunk_latency.entry_from_bench(BENCH_RECORD, gpu="NVIDIA H200", command="python benchmarks/bench_chunk.py",
                                            measured="2026-12-02", weights="seeded")
     assert entry["candidates"] == {
         "runner": {"median_ms": 412.346, "p10_ms": 401.0, "p90_ms": 430.0, "actions_per_second": 38.8},
@@ -304,7 +304,7 @@ def test_recording_a_recipe_keeps_the_others(tmp_path, monkeypatch):
 
 
 def test_card_quotes_the_recipes_measured_chunk_latency(tmp_path, monkeypatch):
-    entry = chunk_latency.entry_from_bench(BENCH_RECORD, gpu="NVIDIA H200", command="python scripts/bench_chunk.py "
+    entry = chunk_latency.entry_from_bench(BENCH_RECORD, gpu="NVIDIA H200", command="python benchmarks/bench_chunk.py "
                                            "--policies lingbot_va", measured="2026-12-02", weights="seeded weights")
     _measured(tmp_path, monkeypatch, {"lingbot-va": entry})
     m = manifest()
@@ -317,7 +317,7 @@ def test_card_quotes_the_recipes_measured_chunk_latency(tmp_path, monkeypatch):
     assert "| LeRobot's `select_action`, eager PyTorch | 2061.7 (2000.0-2100.0) | 7.8 |" in card
     assert "| LeRobot's `select_action`, DiT blocks `torch.compile`d | not measured | - |" in card
     assert "Runner / eager: 0.20; runner / torch.compile: n/a." in card
-    assert "`python scripts/bench_chunk.py --policies lingbot_va`" in card
+    assert "`python benchmarks/bench_chunk.py --policies lingbot_va`" in card
 
 
 def test_card_of_an_unmeasured_recipe_says_so_and_llama_has_no_chunk(tmp_path, monkeypatch):

@@ -367,7 +367,7 @@ def file_hashes(run: Path):
 
 def test_a_failed_rerun_keeps_the_earlier_run_and_its_report_beside_it(test_recipe, toy_family, tmp_path,
                                                                         monkeypatch):
-    # Issue 15 (this test used to pin the opposite): a failed re-run never destroys an earlier good run.
+    # A failed re-run never destroys an earlier good run (it used to replace it).
     run = tmp_path / "run"
     pipeline.run_pipeline(test_recipe("toy-pool"), run)
     before = file_hashes(run)

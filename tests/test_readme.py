@@ -1,4 +1,4 @@
-"""Every command in README.md works as written from a fresh clone (issue 15).
+"""Every command in README.md works as written from a fresh clone.
 
 The commands are read from the README's ```bash blocks. Which of them need a GPU or the network is said here,
 by hand, for each command (never guessed from its text): a command the README gains fails
@@ -35,7 +35,7 @@ KINDS = {
     "python -m zoo audit runs/llama-rope-tiny --json": "gpu: audits the lowered artifact",
     "python -m zoo bundle BUNDLE --have-file scripts/have/h200-cuda-image.txt --recipe llama-rope-tiny "
     "--recipe lingbot-va-tiny --recipe fast-wam-tiny": "network: pip downloads wheels",
-    "scripts/gpu_check.sh BUNDLE llama-rope-tiny lingbot-va-tiny fast-wam-tiny": "gpu",
+    "tools/gpu_check.sh BUNDLE llama-rope-tiny lingbot-va-tiny fast-wam-tiny": "gpu",
     # The deploy commands need a fast-wam-tiny run folder (an export with LeRobot's policy check, minutes here);
     # tests/runner/test_deploy_cli.py and tests/runner/test_fast_wam_runner.py drive the same code on one.
     'python -m zoo prompt runs/fast-wam-tiny "pick up the bowl"': "a fast-wam-tiny run folder",

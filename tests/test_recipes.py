@@ -176,7 +176,7 @@ def test_missing_required_key(tmp_path):
 
 
 def test_a_name_that_does_not_match_the_file_is_a_warning(tmp_path, capsys):
-    # Issue 15: a recipe copied under a new file name works; its name is the file name, and the stale name:
+    # A recipe copied under a new file name works; its name is the file name, and the stale name:
     # key is pointed out (it used to be refused).
     path = write(tmp_path, "m", "name: other\n" + MINIMAL)
     assert load_recipe(str(path)).name == "m"

@@ -1,4 +1,4 @@
-"""zoo/export/runtime_sequence.py (what scripts/gpu_runtime_check.py reports) on the CPU: the summary table of a
+"""zoo/export/runtime_sequence.py (what benchmarks/gpu_runtime_check.py reports) on the CPU: the summary table of a
 two-runtime verification from hand-made rows (worked by hand), and the LingBot-VA KV pool sequence on the
 fake runner against a hand-worked chain. The GPU paths themselves run on the GPU box (docs/runtime.md)."""
 

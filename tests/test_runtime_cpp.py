@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from zoo.contract.releases import executorch as et_runtime
+from zoo.runtimes import executorch as et_runtime
 from zoo.core.errors import RuntimeCallFailed
 from zoo.contract.tensor_file import read_tensor, write_tensor
 from pool_modules import PoolWrite  # noqa: E402

@@ -130,7 +130,7 @@ def test_causal_fused_flash_attention_bf16_at_a_square_shape(tmp_path):
 def test_attention_the_triton_sdpa_gets_wrong_lowers_right_once_written_out(tmp_path, heads, width):
     # Wan2.2's VAE middle-block attention at LingBot-VA's real size (2 cameras, 64 tokens, one 640-channel head),
     # and a narrow head over 64 keys with no mask: both computed wrong by executorch's Triton SDPA as exported
-    # (scripts/triton_sdpa_check.py), here with the kernel mode on and the rewrite applied.
+    # (docs/benchmarks.md), here with the kernel mode on and the rewrite applied.
     q, k, v = (torch.randn(2, heads, 64, width, generator=g(s)).to(torch.bfloat16) for s in (9, 10, 11))
     lower_and_compare(Attention(), [q, k, v], ["replace_triton_unsafe_sdpa_with_math"], tmp_path, triton="ON",
                       bound=2e-2)

@@ -5,7 +5,7 @@ pipeline's ``policy_check_gpu`` stage after verification.
 
 Run folders: ``ZOO_GPU_RUNS=/path/runs`` reuses already-lowered ones (``/path/runs/<recipe>``, e.g. what
 ``python -m zoo.export fast-wam-tiny --output-dir /path/runs/fast-wam-tiny`` left on this GPU machine; for the
-bf16 case ``/path/runs/<recipe>-bf16``, exported with ``unit.dtype=bfloat16``), so a GPU session does not lower
+bf16 case ``/path/runs/<recipe>-bf16``, exported with ``unit.dtype=bfloat16``), so a GPU run does not lower
 the tiny recipes twice. A recipe whose folder is not there is exported and lowered here, into a temporary folder.
 
 * float32 units: per chunk relative L2 <= ``policy_check.tolerance.gpu_float32`` (1e-4) under full float32 (no

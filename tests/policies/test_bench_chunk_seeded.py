@@ -1,4 +1,4 @@
-"""scripts/bench_chunk.py's real-size weights path, run on a CPU at tiny size (``--tiny --seeded``).
+"""benchmarks/bench_chunk.py's real-size weights path, run on a CPU at tiny size (``--tiny --seeded``).
 
 At real size the chunk bench has no checkpoint to read: a placeholder checkpoint (config, processors, an
 empty model.safetensors), seeded random weights for the unit and for LeRobot's policies, Hub stand-ins for
@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("lerobot")
 pytestmark = pytest.mark.policies
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_chunk.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_chunk.py"
 
 
 def bench_chunk(out: Path, policy: str, only: str) -> subprocess.CompletedProcess:

@@ -46,7 +46,7 @@ def run(ep, *args):
 
 
 class Disabled(nn.Module):
-    """The issue's example: a region that switches autocast off and reads an input and a parameter."""
+    """The motivating case: a region that switches autocast off and reads an input and a parameter."""
 
     def __init__(self):
         super().__init__()

@@ -4,7 +4,7 @@ the result checked against attention math in float64; the nodes it computes righ
 The reference is written out here in float64: softmax(q k^T * scale + bias) v, a boolean mask as keep/drop, a top-left
 causal mask. A row whose mask drops every key is zeros in torch's own SDPA; that case is checked against torch.
 The fault cases come from reading the kernel (``backends/cuda/triton/kernels/sdpa.py``); the H200 measured the first
-two (``scripts/triton_sdpa_check.py``).
+two (docs/benchmarks.md, "ExecuTorch's Triton SDPA").
 """
 
 from __future__ import annotations

@@ -312,5 +312,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_table(rows))
     if manifest.left_out:
         print(f"left out (the target has them or only they need them): {', '.join(sorted(manifest.left_out))}")
-    print(f"bundle: {args.out_dir}  (on the target: scripts/gpu_check.sh {args.out_dir} [RECIPE ...])")
+    print(f"bundle: {args.out_dir}  (on the target: tools/gpu_check.sh {args.out_dir} [RECIPE ...])")
     return 0

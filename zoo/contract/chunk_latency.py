@@ -1,9 +1,9 @@
 """Measured latency of a whole action chunk, per recipe: what the model card quotes for an artifact of that recipe.
 
-Where the numbers come from: ``scripts/bench_chunk.py --record`` on a GPU, at the recipe's real size with seeded
-weights (the latency of a chunk depends on the architecture and sizes, not on the weights' values), writes one entry
-per policy it timed into ``zoo/data/chunk_latency.json``; the entries are committed with the evidence of that run
-(docs/benchmarks.md). An artifact's card names the recipe's entry, its GPU and the command, or says that none was
+Where the numbers come from: ``benchmarks/bench_chunk.py --record`` on a GPU, at the recipe's real size with
+seeded weights (the latency of a chunk depends on the architecture and sizes, not on the weights' values), writes
+one entry per policy it timed into ``zoo/data/chunk_latency.json``; the entries are committed with the evidence of
+that run (docs/benchmarks.md). An artifact's card names the recipe's entry, its GPU and the command, or says that none was
 measured.
 
 An entry: ``gpu``, ``measured`` (date), ``command``, ``dtype``, ``actions_per_chunk``, ``weights`` (how they were
@@ -57,5 +57,5 @@ def record_measured(entries: Mapping[str, Dict[str, Any]], path: Optional[Path] 
     path = path or MEASURED_JSON
     recipes = read_measured(path)
     recipes.update(entries)
-    return atomic.write_json(path, {"about": "zoo.contract.chunk_latency: measured by scripts/bench_chunk.py --record",
-                                    "recipes": dict(sorted(recipes.items()))})
+    about = "zoo.contract.chunk_latency: measured by benchmarks/bench_chunk.py --record"
+    return atomic.write_json(path, {"about": about, "recipes": dict(sorted(recipes.items()))})

@@ -215,7 +215,8 @@ class Recipe:
             fail(f"verify.tolerance.bf16_min_cosine={tol.bf16_min_cosine}", "a cosine lies in [-1, 1]")
         check = self.policy_check
         if check.chunks < 1:
-            fail(f"policy_check.chunks={check.chunks}", "give a whole number >= 1 (the issue asks for 3)")
+            fail(f"policy_check.chunks={check.chunks}",
+                 "give a whole number >= 1 (the default, 3, carries the KV feedback across chunks)")
         for key in ("float32", "gpu_float32", "bf16_factor"):
             if not getattr(check.tolerance, key) > 0:
                 fail(f"policy_check.tolerance.{key}={getattr(check.tolerance, key)} is not positive",

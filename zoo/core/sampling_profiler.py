@@ -18,7 +18,7 @@ imported torch, the report ends with Inductor's own phase timers (``torch._dynam
         with prof.section("lower"):
             ...
 
-    python -m zoo.core.sampling_profiler --out profile.txt scripts/bench_real_size.py --out OUT ...   # any script
+    python -m zoo.core.sampling_profiler --out profile.txt benchmarks/bench_real_size.py --out OUT ...   # any script
 
 Sampling is statistical: a function's share is (samples in which it was on the stack) / (samples), and its
 "~seconds" that share of the wall time sampled. At 0.5 s intervals a 6-minute job gives ~720 samples, enough

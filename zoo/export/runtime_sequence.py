@@ -1,12 +1,12 @@
 """Checks of an artifact across the two runtimes (torch's AOTI runner and ExecuTorch's C++ runtime), for
-``scripts/gpu_runtime_check.py`` and the GPU box.
+``benchmarks/gpu_runtime_check.py`` on a GPU box.
 
 - ``summary_rows``: a two-runtime verification (``zoo.export.verify`` rows, as report.json holds them) as one short
   table: per method, runtime, seed and size, the worst relative L2 and cosine over the outputs, and pass;
   ``result_passed``: one run folder's checks (verification, sequence, latency) together.
 - ``pool_sequence``: LingBot-VA's "io" KV-pool layout over a sequence of calls in ONE zoo_runner process, each
   call's ``X_next`` outputs fed to the next call's ``X`` inputs inside the runner, against the exported programs
-  run eagerly with the same feeding (issue 14, item 4).
+  run eagerly with the same feeding.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from zoo.contract.releases import executorch as et_runtime
+from zoo.runtimes import executorch as et_runtime
 from zoo.export import verify
 from zoo.policies.base import InputSpec
 from zoo.contract.run_folder import RunFolder

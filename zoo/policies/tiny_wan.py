@@ -1,5 +1,5 @@
 """The tiny Wan2.2 VAE both DiT families fabricate under their real Hub ids (LingBot-VA and Fast-WAM), and the
-real one's configuration (for real-size stand-ins with seeded random weights: scripts/bench_chunk.py).
+real one's configuration (for real-size stand-ins with seeded random weights: benchmarks/bench_chunk.py).
 
 It keeps the real block structure and the numbers the policies hard-code: 16x spatial and 4x temporal
 compression, 48 latent channels, 12 input channels after the 2x2 patchify. Only the width is a toy's

@@ -1,7 +1,6 @@
 """One constant table for every method of a unit, so that their weight blobs are byte-identical and stored once.
 
-How an AOTInductor ``.so`` gets its weights (torch 2.11; file:line references in
-/work/coord/notes-12-weights.md):
+How an AOTInductor ``.so`` gets its weights (read in torch 2.11's Inductor sources):
 - its constants are Inductor's ``GraphLowering.constants``: the parameters, buffers and lifted constants the
   lowered graph reads. Parameters the method does not use are dropped, and 1-D constants of at most 8 elements
   and 0-d ones are inlined into the code (``GraphLowering.get_attr``);

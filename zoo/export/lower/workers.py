@@ -1,7 +1,7 @@
 """Lowering each method in a fresh worker process, a bounded number at a time, then assembling one program.
 
 Why processes: lowering a real-size method is one Python thread for six to eight minutes (Inductor's scheduler,
-codegen and autotuning; see ../shared/notes/real-size.md), and the methods of a unit are independent until the
+codegen and autotuning; docs/benchmarks.md has the measured parts), and the methods of a unit are independent until the
 last step. Each method is lowered by ``zoo.export.lower.workers.main`` with its job file, in its own process, so
 methods run side by side on a many-core machine and no compile state (Inductor caches, GPU memory, patched
 settings) passes from one method to the next. The parent then merges the single-method programs with ``zoo.export.lower.assemble``.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Check an offline GPU box with a bundle made by `python -m zoo bundle`:
-#   scripts/gpu_check.sh BUNDLE_DIR [--et-runner PATH] [RECIPE ...]        (default: the three tiny recipes)
+#   tools/gpu_check.sh BUNDLE_DIR [--et-runner PATH] [RECIPE ...]        (default: the three tiny recipes)
 # Installs the bundle's wheels into a folder (no network, no venv needed: the box's own torch is used),
 # points executorch at its flatc and huggingface_hub at the bundle's Hub cache, prints the environment, runs
 # each recipe end to end, and ends with one table: per recipe, each stage, its time, the verification result.
@@ -8,14 +8,14 @@
 # verified on both runtimes (torch's AOTI runner and ExecuTorch's C++ runtime: --runtime both), the default list
 # adds the float32-pair variants of the tiny LingBot-VA and Fast-WAM recipes (RECIPE+f32pairs: rotary_pairs=float32
 # and narrow_float64 in place of split_float64_constants, the variant ExecuTorch 1.2's runtime can load; as written they use float64 pairs, which it cannot), and
-# scripts/gpu_runtime_check.py ends with one short table (recipe, method, runtime, seed/sizes, worst rel L2,
+# benchmarks/gpu_runtime_check.py ends with one short table (recipe, method, runtime, seed/sizes, worst rel L2,
 # cosine, pass) plus LingBot-VA's 3-call KV pool sequence through the C++ runner against eager; its text and JSON
 # go to $ZOO_CHECK_OUT (default: $OUT when set, else RUNS/runtime-check).
 # Environment: ZOO_SITE (install folder, default /tmp/zoo-site), ZOO_RUNS (run folders, default ./runs),
 # ZOO_PYTHON (default python3), ZOO_EXPORT_ARGS (extra overrides for every recipe).
 set -uo pipefail
 if [ $# -lt 1 ] || [ ! -d "$1/wheels" ]; then
-  echo "usage: scripts/gpu_check.sh BUNDLE_DIR [RECIPE ...]  (BUNDLE_DIR made by: python -m zoo bundle BUNDLE_DIR)" >&2
+  echo "usage: tools/gpu_check.sh BUNDLE_DIR [RECIPE ...]  (BUNDLE_DIR made by: python -m zoo bundle BUNDLE_DIR)" >&2
   exit 2
 fi
 BUNDLE="$(cd "$1" && pwd)"; shift
@@ -59,7 +59,7 @@ for entry in "${RECIPES[@]}"; do
       # float32 rotary pairs, and every other float64 value narrowed (narrow_float64 in place of
       # split_float64_constants): the artifact then needs no float64 tensor, which ExecuTorch 1.2's runtime lacks
       mapfile -t variant < <("$PY" -c 'import sys
-from zoo.recipes import load_recipe
+from zoo.contract.recipes import load_recipe
 rewrites = [("narrow_float64" if r == "split_float64_constants" else r) for r in load_recipe(sys.argv[1]).rewrites]
 rewrites += [] if "narrow_float64" in rewrites else ["narrow_float64"]
 print("rotary_pairs=float32")
@@ -79,7 +79,7 @@ rc=$?
 if [ -n "$ET_RUNNER" ]; then
   echo "[gpu_check] ===== both runtimes, side by side (from each run's report.json), and the KV pool sequence =====" >&2
   CHECK_OUT="${ZOO_CHECK_OUT:-${OUT:-$RUNS}/runtime-check}"
-  "$PY" scripts/gpu_runtime_check.py "${args[@]}" --from-report --steps 3 --runner "$ET_RUNNER" --out "$CHECK_OUT" \
+  "$PY" benchmarks/gpu_runtime_check.py "${args[@]}" --from-report --steps 3 --runner "$ET_RUNNER" --out "$CHECK_OUT" \
     || rc=1
   echo "[gpu_check] runtime check: $CHECK_OUT/runtime_check.txt and runtime_check.json" >&2
 fi

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Real-size benchmarks with seeded random weights, no network: export -> rewrite -> lower -> verify -> bench.
 
-    python scripts/bench_real_size.py --out OUT [--units llama:128,512,2048 lingbot_va fast_wam] [--runs N]
+    python benchmarks/bench_real_size.py --out OUT [--units llama:128,512,2048 lingbot_va fast_wam] [--runs N]
 
-Units (``NAME[:ARG]``):
+Units (``NAME[:ARG]``, ``zoo.bench.seeded``):
   llama[:SEQ,...]          SmolLM2-135M geometry (recipe llama-rope, bf16, dynamic seq 2..2048), benched at
                            each SEQ (default 128,512,2048)
   lingbot_va[:METHOD,...]  LingBot-VA at the recipe's default configuration (5.09 B parameters, bf16, KV pool
@@ -15,7 +15,8 @@ Weights: llama's checkpoint is fabricated by its family (transformers' own save_
 seconds). LingBot-VA and Fast-WAM are built by the family modules from the recipe's configuration exactly as
 for a pulled checkpoint, except that the parameters are built on meta and filled with seeded values in the
 unit's dtype (``zoo.policies.fast_init.seeded_weights``) instead of reading weights: writing and re-reading
-10-12 GB of random bf16 would cost minutes of GPU-machine time and tens of GB of disk for nothing. ``--tiny`` uses the tiny recipes instead (a CPU check of this script).
+10-12 GB of random bf16 would cost minutes and tens of GB of disk for nothing. ``--tiny`` uses the tiny recipes
+instead (a CPU check of this script).
 
 Each unit gets OUT/<unit>/ (model.pte, aoti_cuda_blob.ptd, so/, report.json, io_spec.json; for units under
 1 GiB of weights also the exported/rewritten programs, so zoo's verification and ``python -m zoo bench`` can
@@ -27,7 +28,6 @@ Without CUDA the GPU stages are recorded as skipped and only eager is timed (``-
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import shlex
@@ -35,222 +35,25 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
+import torch
 
 from zoo import bench
-from zoo.export import trace as exporting
-from zoo.export import stages as gpu_steps
-from zoo.export import pull as hub
+from zoo.bench.seeded import UnitSpec, build_unit, parse_unit, selected_methods, unit_candidates, unit_recipe
+from zoo.contract.run_folder import RunFolder
+from zoo.core.report import RunReport, timed_stage
 from zoo.export import pipeline
-from zoo import policies
-from zoo.export import tiny_hub  # noqa: E402
-from zoo.core.errors import ZooError  # noqa: E402
-from zoo.export.hub_cache import hub_environment, put_in_cache  # noqa: E402
-from zoo.policies.base import ExportUnit  # noqa: E402
-from zoo.contract.recipes import load_recipe  # noqa: E402
-from zoo.core.report import RunReport, timed_stage  # noqa: E402
-from zoo.contract.run_folder import RunFolder  # noqa: E402
+from zoo.export import stages as gpu_steps
+from zoo.export import trace as exporting
 
 SAVE_PROGRAMS_MAX_BYTES = 1 << 30  # above this, .pt2 copies of the weights cost more disk than they are worth
 
 
-@dataclass(frozen=True)
-class UnitKind:
-    recipe: str
-    tiny_recipe: str
-    arg: str  # what NAME:ARG lists: "sizes" (sequence lengths) or "methods"
-    default: Optional[List]  # default ARG values (None: every method of the recipe)
-
-
-UNITS: Dict[str, UnitKind] = {
-    "llama": UnitKind("llama-rope", "llama-rope-tiny", "sizes", [128, 512, 2048]),
-    "lingbot_va": UnitKind("lingbot-va", "lingbot-va-tiny", "methods", None),
-    "fast_wam": UnitKind("fast-wam", "fast-wam-tiny", "methods", ["action_step"]),
-}
-
-
-@dataclass
-class UnitSpec:
-    name: str
-    kind: UnitKind
-    sizes: List[int]
-    methods: Optional[List[str]]
-
-
-def parse_unit(text: str) -> UnitSpec:
-    name, _, arg = text.partition(":")
-    if name not in UNITS:
-        raise ZooError(f"unknown unit {name!r}", f"units: {', '.join(UNITS)} (e.g. llama:128,512 fast_wam)")
-    kind = UNITS[name]
-    values = [v.strip() for v in arg.split(",") if v.strip()]
-    if kind.arg == "sizes":
-        try:
-            sizes = [int(v) for v in values] or list(kind.default or [])
-        except ValueError:
-            raise ZooError(f"unit {text!r}: {name} takes sequence lengths", f"e.g. {name}:128,512,2048") from None
-        return UnitSpec(name, kind, sizes, None)
-    return UnitSpec(name, kind, [], values or (list(kind.default) if kind.default else None))
-
-
-# ------------------------------------------------------------------------------------------------------
-# Building units with random weights
-
-
-def placeholder_checkpoint(config, folder: Path) -> Path:
-    """config.json as LeRobot writes it, and an empty (valid) model.safetensors: the family checks the file is
-    there; ``fast_init.seeded_weights`` makes sure nothing reads it."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(folder)
-    save_file({}, str(folder / "model.safetensors"))
-    return folder
-
-
-def build_llama(recipe, work: Path) -> ExportUnit:
-    with tiny_hub.fabricated_hub(recipe, cache_dir=work / "hub"):
-        checkpoint = hub.pull(recipe)
-        return policies.load_family("llama").build_unit(checkpoint.path, recipe)
-
-
-def build_lingbot_va(recipe, work: Path) -> ExportUnit:
-    # Imported here: they need lerobot (the policies extra), which the llama unit and --help do not.
-    from zoo.policies import fast_init
-    from zoo.policies.lingbot_va import unit as lingbot_va
-
-    # The configuration a fabricated checkpoint of this recipe would carry (recipe policy_config, cameras).
-    config = lingbot_va._fabricated_config(recipe, lingbot_va._validate_recipe(recipe))
-    folder = placeholder_checkpoint(config, work / "checkpoint")
-    with torch.random.fork_rng(devices=[]), fast_init.seeded_weights(recipe.source.seed):
-        torch.manual_seed(recipe.source.seed)
-        return lingbot_va.build_unit(folder, recipe)
-
-
-def fast_wam_config(recipe):
-    """The FastWAMConfig of the recipe's fabricate_config (empty: FastWAMConfig's real defaults), on the CPU in
-    the unit's dtype, with no base model to download."""
-    from lerobot.policies.fastwam.configuration_fastwam import FastWAMConfig
-
-    fields = dict(recipe.unit.options.fabricate_config)
-    for key in ("video_dit_config", "action_dit_config"):
-        if key in fields:
-            fields[key] = dict(fields[key])
-    # base_model_id=None: otherwise default-sized dims point pretrained_path at lerobot/fastwam_base (12 GB).
-    fields.update(base_model_id=None, torch_dtype=recipe.unit.dtype, device="cpu")
-    return FastWAMConfig(**fields)
-
-
-def write_seeded_processors(family: str, config, folder: Path, seed: int) -> None:
-    """The policy's processor files with seeded statistics, as a checkpoint carries them."""
-    g = torch.Generator().manual_seed(seed)
-    if family == "lingbot_va":
-        from lerobot.policies.lingbot_va import make_lingbot_va_pre_post_processors as make
-
-        n = len(config.used_action_channel_ids)
-        q01 = -1.0 - torch.rand(n, generator=g)
-        stats = {"action": {"q01": q01, "q99": q01 + 0.5 + 2.0 * torch.rand(n, generator=g)}}
-    else:
-        from lerobot.policies.fastwam.processor_fastwam import make_fastwam_pre_post_processors as make
-
-        stats = {"action": {"mean": 0.1 * torch.randn(config.action_dim, generator=g),
-                            "std": 0.5 + torch.rand(config.action_dim, generator=g)},
-                 "observation.state": {"mean": 0.1 * torch.randn(config.proprio_dim, generator=g),
-                                       "std": 0.5 + torch.rand(config.proprio_dim, generator=g)}}
-    pre, post = make(config, dataset_stats=stats)
-    pre.save_pretrained(folder)
-    post.save_pretrained(folder)
-
-
-def build_fast_wam(recipe, work: Path) -> ExportUnit:
-    # Imported here: they need lerobot (the policies extra), which the llama unit and --help do not.
-    from zoo.policies import fast_init
-    from zoo.policies.fast_wam import unit as fast_wam
-
-    config = fast_wam_config(recipe)
-    folder = placeholder_checkpoint(config, work / "checkpoint")
-    write_seeded_processors("fast_wam", config, folder, recipe.source.seed)
-    # The policy constructor loads the Wan2.2 VAE and the UMT5 tokenizer by Hub id (the unit uses neither):
-    # the family's tiny fabrication writes stand-ins under those ids, served here from a private cache.
-    tiny_recipe = load_recipe(UNITS["fast_wam"].tiny_recipe)
-    repos = fast_wam.fabricate_checkpoint(tiny_recipe, work / "standins")
-    cache = work / "hub"
-    for repo_id, repo_dir in repos.items():
-        if repo_id != tiny_recipe.source.repo_id:
-            put_in_cache(repo_id, repo_dir, cache)
-    with hub_environment(cache, offline=True), torch.random.fork_rng(devices=[]), \
-            fast_init.seeded_weights(recipe.source.seed):
-        torch.manual_seed(recipe.source.seed)
-        return fast_wam.build_unit(folder, recipe)
-
-
-def unit_recipe(spec: UnitSpec, tiny: bool):
-    name = spec.kind.tiny_recipe if tiny else spec.kind.recipe
-    recipe = load_recipe(name)
-    if spec.name == "llama":
-        recipe.source.fabricate = True
-    if spec.name == "fast_wam":
-        # The split layout (the tiny recipe unrolls the whole chunk instead): action_step is the action unit.
-        recipe.unit.methods = ["prefill", "action_step"]
-    if spec.name == "lingbot_va":
-        # The DiT steps: the recipe's streaming VAE methods would load the real VAE by Hub id, which a random-
-        # weight benchmark box does not have.
-        recipe.unit.methods = ["video_step", "action_step"]
-    return recipe.validate()
-
-
-def build_unit(spec: UnitSpec, recipe, work: Path) -> ExportUnit:
-    if spec.name == "llama":
-        return build_llama(recipe, work)
-    if spec.name == "lingbot_va":
-        return build_lingbot_va(recipe, work)
-    return build_fast_wam(recipe, work)
-
-
 # ------------------------------------------------------------------------------------------------------
 # One unit, end to end
-
-
-def unit_candidates(unit: ExportUnit, method: str, unit_dir: Path, device: str, with_compile: bool,
-                    dynamic: Optional[bool]) -> List[bench.Candidate]:
-    module = unit.methods[method].module
-
-    def eager() -> bench.RunFn:
-        module.to(device)
-        return bench.module_runner(module)
-
-    def compiled() -> bench.RunFn:
-        module.to(device)
-        torch._dynamo.reset()
-        return bench.module_runner(torch.compile(module, dynamic=dynamic))
-
-    def back_to_cpu() -> None:
-        torch._dynamo.reset()  # compiled graphs hold the device weights until dynamo forgets them
-        module.to("cpu")
-
-    cands = [bench.Candidate("eager", eager, back_to_cpu, what=f"the unit's own modules ({unit.family}), eager"),
-             bench.artifact_candidate(unit_dir, method, device)]
-    if with_compile:
-        cands.append(bench.Candidate("compile", compiled, back_to_cpu,
-                                     what=f"torch.compile(unit module, mode=default, dynamic={dynamic})"))
-    else:
-        cands.append(bench.Candidate("compile", lambda: None, skipped="--no-compile"))
-    return cands
-
-
-def selected_methods(unit: ExportUnit, methods: List[str]) -> ExportUnit:
-    """The unit with only ``methods``, in that order."""
-    unknown = [m for m in methods if m not in unit.methods]
-    if unknown:
-        raise ZooError(f"unit of {unit.family}: no method(s) {unknown}", f"methods: {', '.join(unit.methods)}")
-    return dataclasses.replace(unit, methods={m: unit.methods[m] for m in methods})
 
 
 def run_unit(spec: UnitSpec, args, out_dir: Path, results: Dict[str, Any]) -> None:
@@ -359,7 +162,7 @@ def say(message: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scripts/bench_real_size.py", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="benchmarks/bench_real_size.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:3]))
     p.add_argument("--out", type=Path, required=True, help="output folder (one sub-folder per unit)")
@@ -389,7 +192,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = bench.resolve_device(args.device)
     out_dir = args.out.expanduser().resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/bench_real_size.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "python benchmarks/bench_real_size.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     results: Dict[str, Any] = {
         "format": bench.FORMAT, "name": "real size, seeded random weights" + (" (tiny recipes)" if args.tiny else ""),
         "command": command, "environment": bench.environment(device),

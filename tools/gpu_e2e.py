@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The whole end-to-end check on a CUDA machine, in one command, ending with one table.
 
-    python scripts/gpu_e2e.py --out OUT_DIR [--part tiny|smollm|tests|all] [--jobs N]
+    python tools/gpu_e2e.py --out OUT_DIR [--part tiny|smollm|tests|all] [--jobs N]
 
 tiny:   the three tiny recipes, each with rotary_pairs=float32 and float64, through `python -m zoo.export`
         (pull, export, rewrite, CPU check, preflight, lower, audit, verify); then a broken artifact (a run's
@@ -24,11 +24,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from zoo.contract.run_folder import RunFolder
+from zoo.core.report import format_table, markdown_table
 
-from zoo.core.report import format_table, markdown_table  # noqa: E402
-from zoo.contract.run_folder import RunFolder  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: the commands run there, run folders go to ROOT/runs
 
 TINY = ("llama-rope-tiny", "lingbot-va-tiny", "fast-wam-tiny")
 STAGES = ("export", "rewrite", "cpu_check", "preflight", "lower", "audit", "verify")

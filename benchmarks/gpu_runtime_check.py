@@ -1,6 +1,6 @@
 """Lowered run folders through ExecuTorch's C++ runtime (zoo_runner) next to torch's AOTI runner, on a GPU.
 
-    python scripts/gpu_runtime_check.py RUN_DIR [RUN_DIR ...] --out OUT --runner PATH
+    python benchmarks/gpu_runtime_check.py RUN_DIR [RUN_DIR ...] --out OUT --runner PATH
         [--from-report | --no-verify] [--steps 3] [--latency METHOD ...] [--warmup 3] [--iters 20]
 
 Per run folder:
@@ -36,12 +36,9 @@ import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
 import torch  # noqa: E402
 
-from zoo.contract.releases import executorch as et_runtime
+from zoo.runtimes import executorch as et_runtime
 from zoo.export import verify  # noqa: E402
 from zoo.contract.artifact import extract_method_files  # noqa: E402
 from zoo.core.errors import ZooError  # noqa: E402
@@ -260,7 +257,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("[gpu_runtime_check] needs a CUDA device", file=sys.stderr)
         return 2
     if 0 < args.steps < 3:
-        p.error("--steps must be 0 or at least 3 (the issue asks for at least 3 calls)")
+        p.error("--steps must be 0 or at least 3 (video_step, action_step, video_step: the pool handed on twice)")
     try:
         runner = et_runtime.find_runner(args.runner)
         info = et_runtime.runner_info(runner)

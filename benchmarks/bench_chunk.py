@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Chunk latency at real size (issue 13, item 4): observation -> actions for one whole action chunk.
+"""Chunk latency at real size: observation -> actions for one whole action chunk.
 
-    python scripts/bench_chunk.py --out OUT [--policies lingbot_va fast_wam] [--chunks 4] [--episodes 3]
+    python benchmarks/bench_chunk.py --out OUT [--policies lingbot_va fast_wam] [--chunks 4] [--episodes 3]
 
 For each policy, three candidates drive the same seeded observation sequence, one episode at a time:
 
@@ -18,7 +18,7 @@ after): everything from observation to actions. The first chunk of each episode 
 once-per-episode work: LingBot-VA's prompt encode and streaming-cache set-up, compilation warm-up); chunks 2..N
 of every episode are, after one untimed warm-up episode. Actions per second = the actions of those chunks over
 the time of all ``select_action`` calls that produced them (queue pops and keyframe buffering included).
-Targets (the issue's): runner/eager <= 0.5 and runner/compile <= 1.0.
+Targets: runner/eager <= 0.5 and runner/compile <= 1.0.
 
 Prompts: LingBot-VA embeds the task once per episode (the first chunk); Fast-WAM's LeRobot policy would run
 UMT5 on every chunk, so both sides get the precomputed context in the batch (``context``/``context_mask``, which
@@ -26,7 +26,7 @@ LeRobot's Fast-WAM accepts in place of a task) and UMT5 is out of the timed work
 runner with its prompt file.
 
 Weights: seeded random, no checkpoint download. The policy is built from the recipe's configuration with the
-construction ``bench_real_size`` uses (``fast_init.seeded_weights``; ``seeded_policy_weights`` below is the
+construction ``zoo.bench.seeded`` uses (``fast_init.seeded_weights``; ``seeded_policy_weights`` below is the
 one place to switch to another initialiser); the export unit and LeRobot's policy are built the same way from the
 same seed, every value drawn in the unit's dtype (``draw_dtype``): so LeRobot's policy built in float32 (the
 reference of zoo's bf16 rule) holds exactly the bf16 policy's weights, upcast. The repos the policies load by
@@ -67,16 +67,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
-ROOT = Path(__file__).resolve().parent.parent
-for path in (ROOT, ROOT / "scripts"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
-
 import torch  # noqa: E402
 
-from bench_real_size import (  # noqa: E402
-    fast_wam_config, placeholder_checkpoint, write_seeded_processors)
 from zoo import bench
+from zoo.bench.seeded import fast_wam_config, placeholder_checkpoint, write_seeded_processors
 from zoo.contract import chunk_latency
 from zoo.export import stages as gpu_steps
 from zoo.export import pipeline
@@ -113,7 +107,7 @@ def say(message: str) -> None:
 @contextlib.contextmanager
 def seeded_policy_weights(seed: int, draw_dtype: torch.dtype) -> Iterator[None]:
     """The one place a real-size policy gets its weights: the families' large modules built on meta and filled
-    with values seeded by ``seed`` (``fast_init.seeded_weights``, bench_real_size's way), the rest by LeRobot's
+    with values seeded by ``seed`` (``fast_init.seeded_weights``, zoo.bench.seeded's way), the rest by LeRobot's
     constructors from ``torch.manual_seed(seed)`` (each policy built in the block); no file read. Every value is
     drawn in (or rounded through) ``draw_dtype``, the unit's dtype: a policy built in another dtype (the bf16
     rule's float32 reference) holds the same weights. For a bf16 unit that is how its bf16 tensors were drawn
@@ -513,7 +507,7 @@ def policy_check_section(results: Dict[str, Any]) -> List[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scripts/bench_chunk.py", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="benchmarks/bench_chunk.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--out", type=Path, required=True, help="output folder (one sub-folder per policy)")
@@ -567,7 +561,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "real size (model cards quote it); give --record another file for this run")
     out = args.out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
-    command = "python scripts/bench_chunk.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    command = "python benchmarks/bench_chunk.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     results: Dict[str, Any] = {"command": command, "environment": bench.environment(args.device),
                                "settings": {"chunks": args.chunks, "episodes": args.episodes, "seed": args.seed,
                                             "backend": args.backend, "tiny": args.tiny, "seeded": args.seeded,

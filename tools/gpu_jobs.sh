@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Background jobs on a GPU box that outlive the command that started them, for sessions made of several calls:
+# Background jobs on a GPU box that outlive the terminal (or ssh connection) that started them:
 #
-#   scripts/gpu_jobs.sh start WORK NAME [--after A,B] [--nice] [--limit SECONDS] -- CMD ARG ...
-#   scripts/gpu_jobs.sh wait WORK SECONDS [NAME ...]   until the named jobs (default: all) have ended, at most SECONDS
-#   scripts/gpu_jobs.sh table WORK                     one line per job: state, exit code, start, wall time, last line
-#   scripts/gpu_jobs.sh collect WORK OUT [FILE ...]    OUT/jobs.txt (the table and each log's tail) + OUT/jobs.tar.gz
-#   scripts/gpu_jobs.sh stop WORK NAME                 end a job and everything it started (its process group)
+#   tools/gpu_jobs.sh start WORK NAME [--after A,B] [--nice] [--limit SECONDS] -- CMD ARG ...
+#   tools/gpu_jobs.sh wait WORK SECONDS [NAME ...]   until the named jobs (default: all) have ended, at most SECONDS
+#   tools/gpu_jobs.sh table WORK                     one line per job: state, exit code, start, wall time, last line
+#   tools/gpu_jobs.sh collect WORK OUT [FILE ...]    OUT/jobs.txt (the table and each log's tail) + OUT/jobs.tar.gz
+#   tools/gpu_jobs.sh stop WORK NAME                 end a job and everything it started (its process group)
 #
-# Why: one command on the box may run at most 10 minutes, a real-size export takes longer, and a box that is
-# held between calls keeps processes started in a session of their own (setsid). So the first call starts every
-# job of the session, in dependency order (--after waits until those jobs have ended, whatever their exit code),
-# and later calls only wait and report. Nothing here needs a GPU; it is checked on the CPU (tests/test_gpu_jobs.py).
+# Why: a real-size lowering runs for 10-15 minutes, longer than a remote command or a connection may be allowed
+# to last. Each job runs in a process group of its own (setsid), so only its end, its --limit or `stop` ends it.
+# One command starts every job, in dependency order (--after waits until those jobs have ended, whatever their
+# exit code), and later commands only wait and report. Nothing here needs a GPU; it is checked on the CPU
+# (tests/test_gpu_jobs.py).
 #
 # WORK/jobs/NAME holds: cmd (what runs), pid (its process group), log (stdout + stderr), started, ended (epoch seconds), rc (exit code;
 # 124 when --limit cut it). --nice runs the job at the lowest CPU priority, for a build beside a timed job.

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Print the fault-injection table (issue 15): stage x fault -> exit code, message, earlier run intact.
+"""Print the fault-injection table: stage x fault -> exit code, message, earlier run intact.
 
 It runs the very cases CI runs (``tests/test_faults.py``, through pytest, so nothing here can drift from them)
 and prints one Markdown table, one row per case:
 
-    python scripts/fault_table.py [-k PATTERN] [--out TABLE.md]
+    python tools/fault_table.py [-k PATTERN] [--out TABLE.md]
 
 ``-k`` selects cases like pytest's (``-k export`` for the export command's). The exit status is pytest's: 0
 when every case behaved as documented.
@@ -20,10 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from zoo.core.report import markdown_table
 
-from zoo.core.report import markdown_table  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent  # the checkout whose tests/test_faults.py runs
 
 HEADER = ["command", "stage", "fault", "exit", "failed at", "message", "earlier run intact"]
 

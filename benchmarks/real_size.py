@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """Real size, end to end, with seeded weights and no network: one recipe's methods built, exported, rewritten,
 lowered side by side with one constant table, assembled, audited, verified by zoo's own verification, benched,
-and the artifact's sizes set against the parameter bytes the methods use (issue 12).
+and the artifact's sizes set against the parameter bytes the methods use.
 
-    python -m zoo.core.sampling_profiler --out OUT/profile.txt scripts/real_size.py --out OUT \\
+    python -m zoo.core.sampling_profiler --out OUT/profile.txt benchmarks/real_size.py --out OUT \\
         --recipe lingbot-va --methods video_step,action_step
-    python scripts/real_size.py --out OUT --dry-run [...]    # the same path on lingbot-va-tiny, on the CPU
+    python benchmarks/real_size.py --out OUT --dry-run [...]    # the same path on lingbot-va-tiny, on the CPU
 
 Stages, each the pipeline's own step (``zoo.export.pipeline`` / ``zoo.export.stages``), recorded in OUT/run/report.json:
   build    the family's unit with parameters on meta, filled with seeded values in the unit's dtype
-           (scripts/bench_real_size.py's builders: no LeRobot random init, no checkpoint read)
+           (``zoo.bench.seeded``'s builders: no LeRobot random init, no checkpoint read)
   export   torch.export of each method (kept in memory: at real size a saved program is ~10 GB a method)
   rewrite  the recipe's rewrites
   lower    ``lowering.lower_to_pte``: the constant plan, one worker process per method (kernel preflight on
@@ -30,44 +30,40 @@ C++ runtime check and ``python -m zoo bench`` can be pointed at it afterwards.
 ``--dry-run``: the tiny recipe (``<recipe>-tiny``) on the CPU through the same code. With the CUDA lowering it
 ends at the lower stage (no GPU); with a lowering that compiles for the CPU, the test suite's AOTI CPU probe,
 it goes on through assembly, the audit, verification (torch's AOTI CPU runner) and the sizes, and the bench
-times eager only:
+times eager only (the probe's module is found on PYTHONPATH, by this process and by the lowering workers):
 
-    python scripts/real_size.py --out /tmp/rs --dry-run --workers 2 --lowering-path tests/fixtures \
-        --method-lowering aoti_cpu_probe:lower_probe --runner-factory aoti_cpu_probe:CpuRunner
+    PYTHONPATH=$PWD/tests/fixtures python benchmarks/real_size.py --out /tmp/rs --dry-run --workers 2 \
+        --methods video_step,action_step --method-lowering aoti_cpu_probe:lower_probe \
+        --runner-factory aoti_cpu_probe:CpuRunner
+
+(the tiny recipe's VAE methods would load the real Wan2.2 VAE by Hub id: name the DiT steps on a machine without it)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
-import json
 import os
 import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
-for path in (ROOT, ROOT / "scripts"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+import torch
 
-import torch  # noqa: E402
-
-import bench_real_size  # noqa: E402  (the seeded builders and the bench candidates)
-from zoo.core import atomic
 from zoo import bench
+from zoo.bench import seeded
+from zoo.contract.recipes import load_recipe
+from zoo.contract.run_folder import RunFolder
+from zoo.core import atomic
+from zoo.core.report import RunReport, format_table, record_failure
+from zoo.export import pipeline
 from zoo.export import stages as gpu_steps
-from zoo.export import pipeline  # noqa: E402
-from zoo.export.lower.lowering import CUDA_LOWERING, MethodLowering  # noqa: E402
-from zoo.export.lower.workers import ENV_PROFILE_DIR, resolve_function  # noqa: E402
-from zoo.contract.recipes import load_recipe  # noqa: E402
-from zoo.core.report import RunReport, format_table, record_failure  # noqa: E402
-from zoo.contract.run_folder import RunFolder  # noqa: E402
+from zoo.export.lower.lowering import CUDA_LOWERING, MethodLowering
+from zoo.export.lower.workers import ENV_PROFILE_DIR, resolve_function
 
 
 class Progress:
@@ -97,14 +93,6 @@ class Progress:
         self.say(f"end {name} {seconds[name]:.1f} s")
 
 
-def build_spec(recipe) -> bench_real_size.UnitSpec:
-    """scripts/bench_real_size.py's unit kind for this recipe's family (its seeded builder)."""
-    for name, kind in bench_real_size.UNITS.items():
-        if recipe.name in (kind.recipe, kind.tiny_recipe) or recipe.family == name:
-            return bench_real_size.UnitSpec(name, kind, [], list(recipe.unit.methods))
-    raise SystemExit(f"no seeded builder for family {recipe.family!r} (scripts/bench_real_size.py UNITS)")
-
-
 def parameter_bytes(unit) -> int:
     """Every parameter and buffer of the unit's modules, a shared one once."""
     holder = torch.nn.ModuleList([m.module for m in unit.methods.values()])
@@ -124,13 +112,10 @@ def worst_agreement(verified, method: str) -> Dict[str, Any]:
             "outputs": len(rows), "ok": all(r.ok for r in verified.rows if r.method == method)}
 
 
-def cpu_runner_factory(spec: Optional[str], path: Sequence[str]):
-    """The runner verification runs the .so files in (``"module:name"``, imported with ``path`` first on
-    sys.path), for a lowering that compiles for the CPU; None: zoo's CUDA runner."""
-    if not spec:
-        return None
-    sys.path[:0] = [p for p in path if p not in sys.path]
-    return resolve_function(spec)
+def cpu_runner_factory(spec: Optional[str]):
+    """The runner verification runs the .so files in (``"module:name"``, importable from PYTHONPATH), for a
+    lowering that compiles for the CPU; None: zoo's CUDA runner."""
+    return resolve_function(spec) if spec else None
 
 
 def run(args) -> int:
@@ -143,8 +128,7 @@ def run(args) -> int:
     recipe.unit.methods = methods
     recipe.validate()
     device = "cpu" if args.dry_run else bench.resolve_device(args.device)
-    method_lowering = (MethodLowering(function=args.method_lowering, needs_gpu=False,
-                                      pythonpath=tuple(args.lowering_path))
+    method_lowering = (MethodLowering(function=args.method_lowering, needs_gpu=False)
                        if args.method_lowering else CUDA_LOWERING)
     os.environ.setdefault(ENV_PROFILE_DIR, str(out / "profiles"))
     run_folder = RunFolder(out / "run")
@@ -154,7 +138,7 @@ def run(args) -> int:
     seconds: Dict[str, float] = {}
     summary: Dict[str, Any] = {
         "recipe": recipe_name, "methods": methods, "device": device, "dry_run": args.dry_run,
-        "command": "python scripts/real_size.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "command": "python benchmarks/real_size.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "environment": bench.environment(device), "run_folder": str(run_folder.path), "stage_seconds": seconds,
         "per_method": {m: {} for m in methods}, "status": "running"}
 
@@ -166,13 +150,12 @@ def run(args) -> int:
     progress.say(f"real size: {recipe_name} {','.join(methods)} on {device} -> {out}")
     try:
         with progress.stage("build", seconds):
-            spec = build_spec(recipe)
+            spec = seeded.spec_for_recipe(recipe)
             # The family builds the methods the recipe names: only the selected ones (no real-size VAE when
             # only the DiT steps are asked for).
             with tempfile.TemporaryDirectory(prefix="zoo-real-size-build-") as work:
-                unit = pipeline.build_step(None, recipe, run_folder, report, build=lambda: bench_real_size.
-                                           selected_methods(bench_real_size.build_unit(spec, recipe, Path(work)),
-                                                            methods))
+                unit = pipeline.build_step(None, recipe, run_folder, report, build=lambda: seeded.selected_methods(
+                    seeded.build_unit(spec, recipe, Path(work)), methods))
             summary["parameter_bytes"] = parameter_bytes(unit)
         flush()
         with progress.stage("export", seconds):
@@ -235,8 +218,7 @@ def verify_stage(args, unit, recipe, run_folder: RunFolder, report: RunReport, d
         try:
             verified = gpu_steps.verify_unit_step(run_folder, recipe, report, unit, device=device,
                                                   runtimes=["aoti"] if args.dry_run else None,
-                                                  runner_factory=cpu_runner_factory(args.runner_factory,
-                                                                                    args.lowering_path))
+                                                  runner_factory=cpu_runner_factory(args.runner_factory))
             summary["verified"] = True
         except Exception as exc:
             verified = getattr(exc, "result", None)
@@ -259,7 +241,7 @@ def bench_stage(args, unit, recipe, run_folder: RunFolder, device: str, progress
     dynamic = True if recipe.dynamic else None
     for m in unit.methods:
         with progress.stage(f"bench {m}", seconds):
-            cands = bench_real_size.unit_candidates(unit, m, run_folder.path, device,
+            cands = seeded.unit_candidates(unit, m, run_folder.path, device,
                                                     not args.no_compile and device != "cpu", dynamic)
             if device == "cpu":  # the artifact's .so is the CPU probe's: the CUDA runner cannot load it
                 cands = [c for c in cands if c.name == "eager"]
@@ -302,7 +284,7 @@ def _fmt(value: Any, spec: str = ".3g") -> str:
 
 
 def summary_text(s: Dict[str, Any]) -> str:
-    """The per-method table the issue asks for, in plain text."""
+    """The per-method table, in plain text."""
     lines = [f"{s['recipe']} {','.join(s['methods'])} on {s['device']}: {s['status']}"
              + (f" ({s['error']})" if s.get("error") else "")]
     lines.append("stages: " + ", ".join(f"{k} {v:.1f} s" for k, v in s["stage_seconds"].items()))
@@ -341,7 +323,7 @@ def summary_text(s: Dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="scripts/real_size.py", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="benchmarks/real_size.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="output folder (progress.log, summary.*, run/)")
     p.add_argument("--recipe", default="lingbot-va", help="recipe name (default lingbot-va)")
@@ -361,9 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lower each method with this zoo.export.lower.workers function instead of the CUDA lowering "
                         "(one that compiles for the CPU lets a dry run go on to assembly, audit and verification)")
     p.add_argument("--runner-factory", default=None, metavar="MODULE:NAME",
-                   help="the zoo.export.verify runner factory for such a lowering's .so files")
-    p.add_argument("--lowering-path", action="append", default=[], metavar="DIR",
-                   help="a folder the two above are imported from (repeatable)")
+                   help="the zoo.export.verify runner factory for such a lowering's .so files (both are imported "
+                        "from PYTHONPATH)")
     return p
 
 
