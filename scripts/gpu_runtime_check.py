@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from zoo.contract.releases import executorch as et_runtime
+from zoo.runtimes import executorch as et_runtime
 from zoo.export import verify  # noqa: E402
 from zoo.contract.artifact import extract_method_files  # noqa: E402
 from zoo.core.errors import ZooError  # noqa: E402

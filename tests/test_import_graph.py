@@ -4,7 +4,8 @@ import inside a function, is found too:
   - no import circle among zoo's modules;
   - no import of a zoo module inside a function body, except the ones listed below, each with its reason;
   - no module imports one of a higher layer;
-  - scripts/ and tests/ do not import from each other.
+  - scripts/ and tests/ do not import from each other;
+  - no test module imports another test module or conftest.py (what tests share lives in tests/support).
 """
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ def test_importing_the_runner_loads_no_exporter_module():
     assert not forbidden, forbidden
 
 
-IMPORTABLE = {"scripts": {"scripts"}, "tests": {"tests", "conftest", "fixtures"}}
+IMPORTABLE = {"scripts": {"scripts"}, "tests": {"tests", "conftest", "fixtures", "support"}}
 
 
 def _loads_from(path: Path, folder: str) -> List[str]:
@@ -246,6 +247,27 @@ def test_scripts_and_tests_do_not_import_each_other():
     assert set(loading) <= set(TESTS_LOADING_SCRIPTS), {k: v for k, v in loading.items()
                                                         if k not in TESTS_LOADING_SCRIPTS}
     assert set(TESTS_LOADING_SCRIPTS) <= set(loading), "remove the entries of tests that no longer load a script"
+
+
+def test_no_test_module_imports_another_test_module():
+    """What several test modules use lives in a helper module (tests/support, or beside them), never in a test
+    module or conftest.py: importing a test module runs its module-level set-up again, and pytest imports it
+    under its own name once more."""
+    tests = ROOT / "tests"
+    test_modules = {p.stem for p in tests.rglob("test_*.py")} | {"conftest"}
+    found = {}
+    for path in sorted(tests.rglob("*.py")):
+        for node, _ in _walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            bad = [n for n in names if set(n.split(".")) & test_modules]
+            if bad:
+                found.setdefault(path.relative_to(ROOT).as_posix(), []).append(f"line {node.lineno}: {bad[0]}")
+    assert not found, found
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from zoo.contract.releases import executorch as et_runtime
+from zoo.runtimes import executorch as et_runtime
 from zoo.export import verify
 from zoo.policies.base import InputSpec
 from zoo.contract.run_folder import RunFolder

@@ -16,11 +16,14 @@ compiled from, fed in the delegate's input order, after checking that the bytes 
 ones (a damaged library fails to load, as dlopen would).
 
 Children are forked from a server that has imported torch, executorch and zoo once and built one good run of
-its own (``multiprocessing``'s forkserver; tests/fault_warmup.py): each case costs only its own work, which
+its own (``multiprocessing``'s forkserver; tests/support/fault_warmup.py): each case costs only its own work, which
 keeps the whole table CI-cheap.
 """
 
 from __future__ import annotations
+
+# First: the sandbox and the toy family, in the fork server and its children too.
+from support.environment import FIXTURES, TEST_RECIPES, TESTS  # noqa: I001
 
 import contextlib
 import errno
@@ -41,7 +44,6 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 import torch
 
-import conftest  # noqa: F401  (the toy family and the offline sandbox, also in the forked children)
 import zoo.core.atomic
 import zoo.cli.export
 import zoo.export.stages
@@ -55,12 +57,11 @@ import zoo.export.verify
 from zoo.__main__ import main as zoo_main
 from zoo.contract.run_folder import ATTEMPTS_DIR, RunFolder
 
-TESTS = Path(__file__).resolve().parent
-TOY_RECIPE = TESTS / "recipes" / "toy-rope.yaml"
+TOY_RECIPE = TEST_RECIPES / "toy-rope.yaml"
 REPO_ID = "zoo-test/toy-rope-cuda"  # what publish --dry-run stages for
 TIMEOUT = 300
 
-_spec = importlib.util.spec_from_file_location("zoo_test_fake_cuda", TESTS / "fixtures" / "fake_cuda.py")
+_spec = importlib.util.spec_from_file_location("zoo_test_fake_cuda", FIXTURES / "fake_cuda.py")
 fake_cuda = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake_cuda)
 
@@ -133,6 +134,32 @@ def all_cases() -> List[Case]:
     return signal_cases() + file_cases()
 
 
+# The default run's cases (``pytest -q``): one per command and kind of fault (SIGINT, SIGKILL, a full disk, a
+# truncated file, a corrupt file), where (the stage, or the damaged file) chosen so that every outcome of the
+# table is still met: an attempt kept beside the run, a staging folder left by a kill, a fault in the preflight
+# recorded under "lower", a report that cannot be written, an attempt that replaces the run (exit 0), an artifact
+# that computes wrong numbers (exit 3). The other cases are marked e2e (``pytest -m e2e``).
+DEFAULT = {
+    ("export", "SIGINT"): "cpu_check", ("export", "SIGKILL"): "save", ("export", "ENOSPC"): "save",
+    ("lower", "SIGINT"): "preflight", ("lower", "SIGKILL"): "lower", ("lower", "ENOSPC"): "verify",
+    ("publish", "SIGINT"): "publish", ("publish", "SIGKILL"): "publish", ("publish", "ENOSPC"): "publish",
+    ("export", "truncated"): "model.safetensors", ("lower", "truncated"): "model.pte",
+    ("verify", "truncated"): "exported.forward.pt2", ("verify", "corrupt"): "aoti_cuda_blob.ptd",
+    ("audit", "truncated"): "model.pte", ("audit", "corrupt"): "model.pte", ("audit-so", "truncated"): "so/forward.so",
+    ("publish", "truncated"): "aoti_cuda_blob.ptd", ("publish", "corrupt"): "model.pte",
+}
+
+
+def kind_of(case: Case) -> Tuple[str, str]:
+    """(command, kind of fault): a signal or a full disk at any stage, or how a file was damaged."""
+    return case.command, case.fault if case.stage else case.fault.split(" ", 1)[0]
+
+
+def is_default(case: Case) -> bool:
+    where = case.stage or case.fault.split(" ", 1)[1]
+    return DEFAULT.get(kind_of(case)) == where
+
+
 # --------------------------------------------------------------------------------------------------------
 # The good run every case starts from
 
@@ -141,11 +168,11 @@ def good_run(folder: Path) -> Path:
     """A verified toy run with publish/ staged: export on the CPU, then lower, audit and verify with the GPU
     compile faked, then ``publish --dry-run``. Built once; every case works on a copy."""
     run = folder / "toy-rope"
-    assert zoo.export.main([str(TOY_RECIPE), "--output-dir", str(run)]) == 0
+    assert zoo.cli.export.main([str(TOY_RECIPE), "--output-dir", str(run)]) == 0
     with pytest.MonkeyPatch.context() as patch:
         install_fake_gpu(patch)
-        assert zoo.lower.main([str(run)]) == 0
-    assert zoo.publish.main([str(run), "--repo-id", REPO_ID, "--dry-run"]) == 0
+        assert zoo.cli.lower.main([str(run)]) == 0
+    assert zoo.cli.publish.main([str(run), "--repo-id", REPO_ID, "--dry-run"]) == 0
     assert RunFolder(run).status() == "verified"
     return run
 
@@ -336,9 +363,9 @@ _CONTEXT: List[multiprocessing.context.BaseContext] = []
 def _context():
     if not _CONTEXT:
         ctx = multiprocessing.get_context("forkserver")
-        # fault_warmup builds one good run in the server, so that the first-use set-up of torch.export and
+        # support.fault_warmup builds one good run in the server, so that the first-use set-up of torch.export and
         # ExecuTorch is not paid again by every child.
-        ctx.set_forkserver_preload(["fault_injection", "fault_warmup"])
+        ctx.set_forkserver_preload(["support.faults", "support.fault_warmup"])
         # The server imports its preload modules before it knows this process's sys.path (Python 3.12's
         # forkserver does not apply it), so it finds them only through PYTHONPATH: without it the import fails
         # silently and every case imports torch, executorch and zoo anew. The children get PYTHONPATH back as
