@@ -11,12 +11,9 @@
 
 from __future__ import annotations
 
-from support import environment  # noqa: I001  (first: it sets the variables huggingface_hub reads at import)
-from support.xdist_plugin import share_threads
+from support import environment  # first: it sets the variables huggingface_hub reads at import
 
 pytest_plugins = ["support.fixtures", "support.xdist_plugin", "support.selection", "support.fault_report"]
-
-share_threads(environment.WORKER)
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -38,8 +39,6 @@ if str(TEST_FAMILIES) not in zoo.policies.__path__:
     zoo.policies.__path__.append(str(TEST_FAMILIES))
 # The fakes and probes (portable_lowering, aoti_cpu_probe, ...) import by name, here as in the worker processes
 # the lowering tests start with PYTHONPATH=tests/fixtures.
-import sys  # noqa: E402
-
 if str(FIXTURES) not in sys.path:
     sys.path.append(str(FIXTURES))
 

@@ -56,11 +56,11 @@ def pytest_xdist_make_scheduler(config, log):
     return ModuleScheduling(config, log)
 
 
-def share_threads(worker: str) -> None:
+def pytest_configure(config):
     """Under xdist, the cores shared out between the workers: torch's own thread pool (and a subprocess's, through
     OMP_NUM_THREADS) gets its share, so that workers do not spin on each other's cores."""
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
-    if not worker or count < 1:
+    if not os.environ.get("PYTEST_XDIST_WORKER") or count < 1:
         return
     import torch
 
