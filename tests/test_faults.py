@@ -28,7 +28,7 @@ PARAMS = [pytest.param(case, id=case.id, marks=() if fi.is_default(case) else py
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
-    return fi.good_run(tmp_path_factory.mktemp("good"))
+    return fi.forked_good_run(tmp_path_factory.mktemp("good"))
 
 
 @pytest.fixture(scope="module")

@@ -307,17 +307,29 @@ def _hook_publish(fault: str) -> None:
     zoo.export.publish.upload._place = place
 
 
-def child(case: Dict, run: str, extra: List[str], out: str, err: str, pythonpath: Optional[str]) -> None:
-    """The forked child: stdout/stderr to files, the fault installed, zoo's command line run (in the
-    environment of the test that started it: ``pythonpath`` is its PYTHONPATH)."""
+def _as_started(out: str, err: str, pythonpath: Optional[str]) -> None:
+    """A forked child's stdout/stderr to files, and the PYTHONPATH of the test that started it."""
     if pythonpath is None:
         os.environ.pop("PYTHONPATH", None)
     else:
         os.environ["PYTHONPATH"] = pythonpath
     for fd, path in ((1, out), (2, err)):
-        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(handle, fd)
         os.close(handle)
+
+
+def _good_run_child(folder: str, log: str, pythonpath: Optional[str]) -> None:
+    _as_started(log, log, pythonpath)
+    good_run(Path(folder))
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def child(case: Dict, run: str, extra: List[str], out: str, err: str, pythonpath: Optional[str]) -> None:
+    """The forked child: stdout/stderr to files, the fault installed, zoo's command line run (in the
+    environment of the test that started it: ``pythonpath`` is its PYTHONPATH)."""
+    _as_started(out, err, pythonpath)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     c = Case(**{**case, "words": tuple(case["words"])})
     patch = pytest.MonkeyPatch()
@@ -379,6 +391,22 @@ def _context():
 
 def _pythonpath() -> List[str]:
     return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def forked_good_run(folder: Path) -> Path:
+    """``good_run`` in a child of the fork server, which has paid torch.export's and ExecuTorch's first-use set-up
+    already: it costs only the run's own work (in the test's process, that set-up again). Its output goes to
+    ``folder/good_run.log``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "good_run.log"
+    process = _context().Process(target=_good_run_child, args=(str(folder), str(log), os.environ.get("PYTHONPATH")))
+    process.start()
+    process.join(TIMEOUT)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    assert process.exitcode == 0, f"the good run failed (exit {process.exitcode}):\n{log.read_text()[-3000:]}"
+    return folder / "toy-rope"
 
 
 def run_case(case: Case, run: Path, checkpoint: Optional[Path], logs: Path) -> Outcome:
