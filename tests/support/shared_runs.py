@@ -7,7 +7,7 @@ while holding a lock file (``fcntl``), a second one asking meanwhile waits for i
 outcome (exit status, what it printed) is recorded beside it, so that a failed export fails every test that needs
 it with its message, without being run again.
 
-A test that changes a run works on a copy (``copy_run``): copying takes milliseconds, an export minutes.
+A test that changes a run works on a copy (``shutil.copytree``): copying takes milliseconds, an export minutes.
 """
 
 from __future__ import annotations
@@ -140,8 +140,3 @@ def tiny_run(cache: Path, name: str) -> SharedRun:
     record = built_once(cache, name, build)
     return SharedRun(name, cache / name, **record)
 
-
-def copy_run(run: SharedRun, dest: Path) -> Path:
-    """A private copy of a shared run, free to change."""
-    shutil.copytree(run.path, dest, symlinks=True)
-    return dest
