@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,9 +17,8 @@ from zoo.cli import export as zoo_export
 from zoo.export import pipeline
 from zoo.contract.recipes import load_recipe, recipe_names
 
-from conftest import TEST_RECIPES
+from support.environment import TEST_RECIPES
 
-ROOT = Path(__file__).resolve().parent.parent
 FAILED_RUN = ["export.log", "recipe.yaml", "report.json", "report.md"]  # all a failed run leaves in its folder
 
 
@@ -110,7 +108,7 @@ def test_bad_override(tmp_path, capsys, override, words):
 
 
 def test_repo_not_in_cache_while_offline(tmp_path, capsys, toy_family):
-    # HF_HUB_OFFLINE=1 and an empty cache (conftest): a recipe that pulls instead of fabricating.
+    # HF_HUB_OFFLINE=1 and an empty cache (tests/support/environment.py): a recipe that pulls instead of fabricating.
     run = tmp_path / "run"
     code = zoo_export.main([toy("toy-rope"), "source.fabricate=false", "source.revision=v7", "--output-dir", str(run)])
     captured = capsys.readouterr()
@@ -164,12 +162,8 @@ def test_export_toy_recipe_prints_summary(tmp_path, capsys, toy_family):
 
 
 # --------------------------------------------------------------------------------------------------------
-# The tiny recipes end to end, as the README runs them (subprocess, offline, CPU)
-
-
-def run_export(recipe: str, out: Path, *extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zoo.export", recipe, *extra, "--output-dir", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+# The tiny recipes end to end, as the README runs them (subprocess, offline, CPU): each exported once for the
+# session (support/shared_runs.py), the runner tests read the same runs
 
 
 def check_finished_run(run: Path, methods) -> dict:
@@ -186,11 +180,13 @@ def check_finished_run(run: Path, methods) -> dict:
 
 
 @pytest.mark.policies
-def test_llama_rope_tiny_end_to_end(llama_tiny_readme_run):
-    # The README's main job, run once for the session as the README writes it (conftest.llama_tiny_readme_run).
-    proc, run = llama_tiny_readme_run
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"^cpu_check\s+done", proc.stdout, re.M) and f"python -m zoo lower {run.resolve()}" in proc.stdout
+def test_llama_rope_tiny_end_to_end(tiny_runs):
+    # The README's main job, run once for the session as the README writes it, in a fresh clone.
+    exported = tiny_runs("llama-rope-tiny")
+    exported.check_exported()
+    run = exported.path
+    assert re.search(r"^cpu_check\s+done", exported.stdout, re.M)
+    assert f"python -m zoo lower {run.resolve()}" in exported.stdout
     data = check_finished_run(run, ["forward"])
     # No action loop, no policy to check: said on the CPU and for the GPU.
     assert data["policy_check"]["cpu"]["status"] == data["policy_check"]["gpu"]["status"] == "not applicable"
@@ -206,11 +202,10 @@ def test_llama_rope_tiny_end_to_end(llama_tiny_readme_run):
 
 @pytest.mark.policies
 @pytest.mark.parametrize("recipe", ["lingbot-va-tiny", "fast-wam-tiny"])
-def test_policy_tiny_recipes_end_to_end(tmp_path, recipe):
-    pytest.importorskip("lerobot")
-    run = tmp_path / recipe
-    proc = run_export(recipe, run, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_policy_tiny_recipes_end_to_end(tiny_runs, recipe):
+    exported = tiny_runs(recipe)
+    exported.check_exported()
+    run = exported.path
     data = check_finished_run(run, load_recipe(recipe).unit.methods)
     assert list((run / "processors").iterdir())  # LeRobot's normalisation processors travel with the run
     # The policy check: the eager runner against LeRobot's select_action, 3 whole chunks and one more action.
@@ -221,7 +216,7 @@ def test_policy_tiny_recipes_end_to_end(tmp_path, recipe):
     # Chunks grouped as the runner predicts them (the recipes' action chunks), and the table says so.
     steps = {"lingbot-va-tiny": [12, 16, 16, 1], "fast-wam-tiny": [32, 32, 32, 1]}[recipe]
     assert [row["steps"] for row in check["rows"]] == steps and "chunk" in check["table"]
-    assert re.search(r"^policy_check\s+done", proc.stdout, re.M)
+    assert re.search(r"^policy_check\s+done", exported.stdout, re.M)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from torch import nn
 from zoo.runtimes import executorch as et_runtime
 from zoo.core.errors import RecipeError, RuntimeCallFailed, RuntimeNotBuilt
 from zoo.export.verify_runtimes import executorch_caller, select_runtimes
-from pool_modules import PoolWrite  # noqa: E402
+from support.modules import PoolWrite  # noqa: E402
 
 
 class Gather(nn.Module):

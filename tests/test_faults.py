@@ -1,8 +1,11 @@
-"""Fault injection, in CI: for each stage of the pipeline, SIGINT, SIGKILL and a full disk; damaged
+"""Fault injection (issue 15), in CI: for each stage of the pipeline, SIGINT, SIGKILL and a full disk; damaged
 model.pte / .ptd / .so / programs given to lower, audit, verify and publish; a truncated model.safetensors at
 pull. Every case must give a clear message with no traceback and its documented exit code, and leave the earlier
 good run byte for byte as it was (sha256 of every file). The cases and the wrapper that injects them are in
-tests/fault_injection.py; ``tools/fault_table.py`` prints the table, and a pytest run ends with it.
+tests/support/faults.py; ``tools/fault_table.py`` prints the table, and the session ends with it.
+
+The default run (``pytest -q``) takes one case per command and kind of fault (``faults.DEFAULT``); the whole
+matrix runs with ``pytest -m e2e``.
 """
 
 from __future__ import annotations
@@ -12,18 +15,20 @@ import shutil
 
 import pytest
 
-import fault_injection as fi
 from zoo.contract.run_folder import RunFolder
 from zoo.core.atomic import remove_dead_leftovers
+from zoo.policies.toy import unit as toy
 
-from conftest import TEST_RECIPES, ToyFamily
+from support import faults as fi
+from support.environment import TEST_RECIPES
 
 CASES = fi.all_cases()
+PARAMS = [pytest.param(case, id=case.id, marks=() if fi.is_default(case) else pytest.mark.e2e) for case in CASES]
 
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory):
-    return fi.good_run(tmp_path_factory.mktemp("good"))
+    return fi.forked_good_run(tmp_path_factory.mktemp("good"))
 
 
 @pytest.fixture(scope="module")
@@ -32,16 +37,16 @@ def checkpoint(tmp_path_factory):
     from zoo.contract.recipes import load_recipe
 
     recipe = load_recipe("toy-rope", recipes_dir=TEST_RECIPES)
-    return ToyFamily.fabricate_checkpoint(recipe, tmp_path_factory.mktemp("ckpt"))[recipe.source.repo_id]
+    return toy.fabricate_checkpoint(recipe, tmp_path_factory.mktemp("ckpt"))[recipe.source.repo_id]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", PARAMS)
 def test_fault(case, good, checkpoint, tmp_path, record_property):
     run = fi.copy_run(good, tmp_path / "runs")
     ckpt = tmp_path / "ckpt"
     shutil.copytree(checkpoint, ckpt)
     outcome = fi.run_case(case, run, ckpt, tmp_path / "logs")
-    # The row of the table the session prints at its end (conftest.pytest_terminal_summary).
+    # The row of the table the session prints at its end (support/fault_report.py).
     record_property("fault_row", (CASES.index(case), outcome.row()))
     shown = f"\n--- stdout\n{outcome.stdout[-3000:]}\n--- stderr\n{outcome.stderr[-3000:]}"
 
@@ -88,3 +93,13 @@ def test_the_cases_cover_every_stage_and_fault():
         for name in ("model.pte", "aoti_cuda_blob.ptd", "so/forward.so"):
             assert (command, name) in damaged or (command == "audit" and name == "so/forward.so")
     assert ("export", "model.safetensors") in damaged and ("audit-so", "so/forward.so") in damaged
+
+
+def test_the_default_run_takes_one_case_per_command_and_kind_of_fault():
+    """Every (command, kind of fault) of the matrix has exactly one case in the default run, and each entry of
+    faults.DEFAULT names a case of the matrix."""
+    cases = fi.all_cases()
+    kinds = {fi.kind_of(c) for c in cases}
+    chosen = [fi.kind_of(c) for c in cases if fi.is_default(c)]
+    assert sorted(chosen) == sorted(kinds) == sorted(fi.DEFAULT)
+    assert {"SIGINT", "SIGKILL", "ENOSPC", "truncated", "corrupt"} == {kind for _, kind in kinds}

@@ -6,6 +6,7 @@ import inside a function, is found too:
   - no module imports one of a higher layer;
   - the programs around the package (scripts/, benchmarks/, tools/) import zoo only: not each other, not tests/,
     and they leave sys.path alone (zoo is installed); tests/ runs them as programs at most, and loads none.
+  - no test module imports another test module or conftest.py (what tests share lives in tests/support).
 """
 
 from __future__ import annotations
@@ -225,7 +226,7 @@ def importable_names(folder: str) -> Set[str]:
     """What an import of ``folder``'s code would name: the folder itself, or a module of the program folders
     (``import bench_real_size``, run from beside it)."""
     if folder == "tests":
-        return {"tests", "conftest", "fixtures"}
+        return {"tests", "conftest", "fixtures", "support"}
     return {folder} | {p.stem for p in program_files()}
 
 
@@ -291,6 +292,27 @@ def test_the_program_checks_find_an_import_a_path_and_sys_path(tmp_path):
     assert _loads_from(source, "scripts") == ["line 2: import bench_real_size", "line 4: a path into scripts/"]
     assert _loads_from(source, "tools") == ["line 2: import bench_real_size", "line 5: a path into tools/"]
     assert _sys_path_uses(source) == ["line 5: sys.path"]
+
+
+def test_no_test_module_imports_another_test_module():
+    """What several test modules use lives in a helper module (tests/support, or beside them), never in a test
+    module or conftest.py: importing a test module runs its module-level set-up again, and pytest imports it
+    under its own name once more."""
+    tests = ROOT / "tests"
+    test_modules = {p.stem for p in tests.rglob("test_*.py")} | {"conftest"}
+    found = {}
+    for path in sorted(tests.rglob("*.py")):
+        for node, _ in _walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            bad = [n for n in names if set(n.split(".")) & test_modules]
+            if bad:
+                found.setdefault(path.relative_to(ROOT).as_posix(), []).append(f"line {node.lineno}: {bad[0]}")
+    assert not found, found
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from zoo.core.errors import KernelPreflightRefused, LoweringError, NoGpuError
 from zoo.contract.recipes import Lowering, Recipe, Source, Unit
 from zoo.contract.run_folder import RunFolder
 
-from conftest import ToyPermuted
+from support.modules import ToyPermuted
 
 _spec = importlib.util.spec_from_file_location("zoo_test_fake_cuda",
                                                Path(__file__).resolve().parent / "fixtures" / "fake_cuda.py")

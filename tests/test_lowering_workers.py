@@ -15,9 +15,9 @@ from zoo.export.lower import workers
 from zoo.core.errors import LoweringError, StorageError
 from zoo.export.lower.workers import MethodJob
 
-from test_assemble import CALLS, eager_calls, programs, run_calls, write
+from support.environment import FIXTURES
+from support.two_methods import CALLS, eager_calls, programs, run_calls, write
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FUNCTION = "portable_lowering:lower_portable"
 ENV = {"PYTHONPATH": str(FIXTURES)}
 

@@ -1,4 +1,4 @@
-"""The CPU part of the pipeline on the toy family (tests/conftest.py): example sizes, export with dynamic dims,
+"""The CPU part of the pipeline on the toy family (tests/families/toy): example sizes, export with dynamic dims,
 the CPU check against eager (stateless, stateful, bf16), and whole runs into a run folder, including what a
 failed or interrupted run leaves behind."""
 
@@ -20,15 +20,17 @@ from zoo.export import pipeline
 from zoo.export.cpu_check import BufferState, _judge, check_cases, cpu_check
 from zoo.core.errors import LoweringError, RewriteDeclined, VerificationFailed, ZooError
 from zoo.contract.recipes import Tolerance
+from zoo.policies.toy import unit as toy  # tests/families/toy
+from zoo.policies.toy.unit import ToyPool, ToyRead, ToyRope, ToyWrite
 
-from conftest import ToyFamily, ToyPool, ToyRead, ToyRope, ToyWrite
+from support.environment import TEST_RECIPES
 
 
 def build(test_recipe, toy_family, name, *overrides, tmp_path):
     """A recipe and its toy unit, from a fabricated checkpoint folder."""
     recipe = test_recipe(name, *overrides)
-    folders = ToyFamily.fabricate_checkpoint(recipe, tmp_path / "fab")
-    return recipe, ToyFamily.build_unit(folders[recipe.source.repo_id], recipe)
+    folders = toy.fabricate_checkpoint(recipe, tmp_path / "fab")
+    return recipe, toy.build_unit(folders[recipe.source.repo_id], recipe)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -63,11 +65,10 @@ def test_check_cases(test_recipe):
 @pytest.fixture(scope="module")
 def rope_unit(tmp_path_factory):
     from zoo.contract.recipes import load_recipe
-    from conftest import TEST_RECIPES
 
     recipe = load_recipe("toy-rope", recipes_dir=TEST_RECIPES)
-    folders = ToyFamily.fabricate_checkpoint(recipe, tmp_path_factory.mktemp("fab"))
-    unit = ToyFamily.build_unit(folders[recipe.source.repo_id], recipe)
+    folders = toy.fabricate_checkpoint(recipe, tmp_path_factory.mktemp("fab"))
+    unit = toy.build_unit(folders[recipe.source.repo_id], recipe)
     return recipe, unit, exporting.export_unit(unit, recipe)
 
 

@@ -3,7 +3,7 @@
 The commands are read from the README's ```bash blocks. Which of them need a GPU or the network is said here,
 by hand, for each command (never guessed from its text): a command the README gains fails
 ``test_every_readme_command_is_classified`` until it is added below. The others run here, in a folder laid
-out like a fresh clone after ``scripts/setup.sh`` (conftest.readme_clone), exactly as written: the first
+out like a fresh clone after ``scripts/setup.sh`` (the ``readme_clone`` fixture), exactly as written: the first
 block's commands with ``.venv/bin/python``, every later one after ``source .venv/bin/activate``, as the README
 says. Each must exit 0.
 """
@@ -15,7 +15,8 @@ from typing import List
 
 import pytest
 
-from conftest import REPO_ROOT, run_in_clone
+from support.environment import REPO_ROOT
+from support.shared_runs import run_in_clone
 
 SETUP = "scripts/setup.sh && "  # .ci/run runs setup.sh before the tests: the rest of such a line runs here
 
@@ -74,9 +75,8 @@ def test_the_readme_says_to_activate_the_venv_once():
 
 
 @pytest.mark.policies
-def test_readme_commands_that_need_no_gpu_or_network(readme_clone, llama_tiny_readme_run):
-    main_job, _ = llama_tiny_readme_run  # the first command, run once for the session
-    assert main_job.returncode == 0, main_job.stderr[-3000:]
+def test_readme_commands_that_need_no_gpu_or_network(readme_clone, tiny_runs):
+    tiny_runs("llama-rope-tiny").check_exported()  # the first command, run once for the session in readme_clone
     ran = [COMMANDS[0]]
     first_block = len(re.findall(r"```bash\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)[0]
                       .strip().splitlines())

@@ -10,7 +10,7 @@ import pytest
 from zoo.core.errors import RecipeError
 from zoo.contract.recipes import RECIPES_DIR, expected_type, load_recipe, recipe_names
 
-from conftest import TEST_RECIPES
+from support.environment import TEST_RECIPES
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:

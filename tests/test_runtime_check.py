@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from zoo.export import runtime_sequence as runtime_check
-from pool_modules import PoolWrite  # noqa: E402
+from support.modules import PoolWrite  # noqa: E402
 
 @pytest.fixture(scope="module")
 def check():

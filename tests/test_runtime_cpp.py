@@ -23,7 +23,7 @@ from torch import nn
 from zoo.runtimes import executorch as et_runtime
 from zoo.core.errors import RuntimeCallFailed
 from zoo.contract.tensor_file import read_tensor, write_tensor
-from pool_modules import PoolWrite  # noqa: E402
+from support.modules import PoolWrite  # noqa: E402
 
 RUNNER = os.environ.get(et_runtime.RUNNER_ENV)
 pytestmark = pytest.mark.skipif(not RUNNER or not Path(RUNNER).is_file(),

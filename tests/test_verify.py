@@ -37,7 +37,7 @@ from zoo.policies.base import InputSpec
 from zoo.contract.recipes import Tolerance, load_recipe
 from zoo.contract.run_folder import RunFolder
 
-from conftest import ToyPermuted
+from support.modules import ToyPermuted
 
 _spec = importlib.util.spec_from_file_location("zoo_test_fake_cuda",
                                                Path(__file__).resolve().parent / "fixtures" / "fake_cuda.py")

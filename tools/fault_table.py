@@ -34,8 +34,9 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="zoo-faults-") as tmp:
         rows_file = Path(tmp) / "rows.jsonl"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_faults.py", "-k",
-               f"test_fault and ({args.k})" if args.k else "test_fault"]
+        # Every case: the default run takes one per command and kind of fault, the rest are marked e2e.
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_faults.py", "-m",
+               "e2e or not e2e", "-k", f"test_fault and ({args.k})" if args.k else "test_fault"]
         env = dict(os.environ, ZOO_FAULT_TABLE=str(rows_file), PYTHONPATH=str(ROOT))
         print(f"[fault_table] {' '.join(cmd)}", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)

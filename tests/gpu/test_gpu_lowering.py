@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ToyPermuted
+from support.modules import ToyPermuted
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

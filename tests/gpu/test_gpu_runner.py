@@ -33,7 +33,7 @@ from zoo.export.policy_check import check_run, checkpoint_in_reach  # noqa: E402
 from zoo.contract.recipes import load_recipe  # noqa: E402
 from zoo.contract.run_folder import RunFolder  # noqa: E402
 
-from runner_helpers import export_run  # noqa: E402
+from support.run_export import export_run  # noqa: E402
 
 RECIPES = ("fast-wam-tiny", "lingbot-va-tiny")
 BF16 = ["unit.dtype=bfloat16"]

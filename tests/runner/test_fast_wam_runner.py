@@ -30,7 +30,6 @@ from zoo.runner.check import ProcessedPolicy, policy_check  # noqa: E402
 from zoo.runner.observations import load_observation  # noqa: E402
 from zoo.export.tiny_hub import fabricated_hub  # noqa: E402
 
-from runner_helpers import export_run  # noqa: E402
 
 fast_wam = pytest.importorskip("zoo.policies.fast_wam.unit")
 
@@ -47,10 +46,11 @@ def recipe():
 
 
 @pytest.fixture(scope="module")
-def run(recipe, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("fw-run")
-    checkpoint = export_run(recipe, run_dir)
-    return run_dir, checkpoint
+def run(tiny_runs):
+    """`python -m zoo.export fast-wam-tiny`, once for the session: read only (a test that changes it copies it)."""
+    exported = tiny_runs(TINY)
+    exported.check_exported()
+    return exported.path, exported.checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from zoo.runner import PromptEmbedding, RunnerError, load  # noqa: E402
 from zoo.runner.check import ProcessedPolicy, compare_episode, run_episode  # noqa: E402
 from zoo.export.tiny_hub import fabricated_hub  # noqa: E402
 
-from runner_helpers import export_run  # noqa: E402
 
 lingbot_va = pytest.importorskip("zoo.policies.lingbot_va.unit")
 
@@ -41,9 +40,11 @@ def recipe():
 
 
 @pytest.fixture(scope="module")
-def run(recipe, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("lb-run")
-    return run_dir, export_run(recipe, run_dir)
+def run(tiny_runs):
+    """`python -m zoo.export lingbot-va-tiny`, once for the session: read only (a test that changes it copies it)."""
+    exported = tiny_runs(TINY)
+    exported.check_exported()
+    return exported.path, exported.checkpoint
 
 
 @pytest.fixture(scope="module")

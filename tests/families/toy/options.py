@@ -1,4 +1,5 @@
-"""The toy family's ``unit.options`` (tests only: conftest puts tests/families on zoo.policies' path)."""
+"""The toy family's ``unit.options`` (tests only: tests/support/environment.py puts tests/families on
+zoo.policies' path)."""
 
 from __future__ import annotations
 

@@ -16,11 +16,14 @@ compiled from, fed in the delegate's input order, after checking that the bytes 
 ones (a damaged library fails to load, as dlopen would).
 
 Children are forked from a server that has imported torch, executorch and zoo once and built one good run of
-its own (``multiprocessing``'s forkserver; tests/fault_warmup.py): each case costs only its own work, which
+its own (``multiprocessing``'s forkserver; tests/support/fault_warmup.py): each case costs only its own work, which
 keeps the whole table CI-cheap.
 """
 
 from __future__ import annotations
+
+# First: the sandbox and the toy family, in the fork server and its children too.
+from support.environment import FIXTURES, TEST_RECIPES, TESTS  # noqa: I001
 
 import contextlib
 import errno
@@ -41,7 +44,6 @@ from typing import Dict, List, Optional, Tuple
 import pytest
 import torch
 
-import conftest  # noqa: F401  (the toy family and the offline sandbox, also in the forked children)
 import zoo.core.atomic
 import zoo.cli.export
 import zoo.export.stages
@@ -55,12 +57,11 @@ import zoo.export.verify
 from zoo.__main__ import main as zoo_main
 from zoo.contract.run_folder import ATTEMPTS_DIR, RunFolder
 
-TESTS = Path(__file__).resolve().parent
-TOY_RECIPE = TESTS / "recipes" / "toy-rope.yaml"
+TOY_RECIPE = TEST_RECIPES / "toy-rope.yaml"
 REPO_ID = "zoo-test/toy-rope-cuda"  # what publish --dry-run stages for
 TIMEOUT = 300
 
-_spec = importlib.util.spec_from_file_location("zoo_test_fake_cuda", TESTS / "fixtures" / "fake_cuda.py")
+_spec = importlib.util.spec_from_file_location("zoo_test_fake_cuda", FIXTURES / "fake_cuda.py")
 fake_cuda = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake_cuda)
 
@@ -131,6 +132,32 @@ def file_cases() -> List[Case]:
 
 def all_cases() -> List[Case]:
     return signal_cases() + file_cases()
+
+
+# The default run's cases (``pytest -q``): one per command and kind of fault (SIGINT, SIGKILL, a full disk, a
+# truncated file, a corrupt file), where (the stage, or the damaged file) chosen so that every outcome of the
+# table is still met: an attempt kept beside the run, a staging folder left by a kill, a fault in the preflight
+# recorded under "lower", a report that cannot be written, an attempt that replaces the run (exit 0), an artifact
+# that computes wrong numbers (exit 3). The other cases are marked e2e (``pytest -m e2e``).
+DEFAULT = {
+    ("export", "SIGINT"): "cpu_check", ("export", "SIGKILL"): "save", ("export", "ENOSPC"): "save",
+    ("lower", "SIGINT"): "preflight", ("lower", "SIGKILL"): "lower", ("lower", "ENOSPC"): "verify",
+    ("publish", "SIGINT"): "publish", ("publish", "SIGKILL"): "publish", ("publish", "ENOSPC"): "publish",
+    ("export", "truncated"): "model.safetensors", ("lower", "truncated"): "model.pte",
+    ("verify", "truncated"): "exported.forward.pt2", ("verify", "corrupt"): "aoti_cuda_blob.ptd",
+    ("audit", "truncated"): "model.pte", ("audit", "corrupt"): "model.pte", ("audit-so", "truncated"): "so/forward.so",
+    ("publish", "truncated"): "aoti_cuda_blob.ptd", ("publish", "corrupt"): "model.pte",
+}
+
+
+def kind_of(case: Case) -> Tuple[str, str]:
+    """(command, kind of fault): a signal or a full disk at any stage, or how a file was damaged."""
+    return case.command, case.fault if case.stage else case.fault.split(" ", 1)[0]
+
+
+def is_default(case: Case) -> bool:
+    where = case.stage or case.fault.split(" ", 1)[1]
+    return DEFAULT.get(kind_of(case)) == where
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -280,17 +307,29 @@ def _hook_publish(fault: str) -> None:
     zoo.export.publish.upload._place = place
 
 
-def child(case: Dict, run: str, extra: List[str], out: str, err: str, pythonpath: Optional[str]) -> None:
-    """The forked child: stdout/stderr to files, the fault installed, zoo's command line run (in the
-    environment of the test that started it: ``pythonpath`` is its PYTHONPATH)."""
+def _as_started(out: str, err: str, pythonpath: Optional[str]) -> None:
+    """A forked child's stdout/stderr to files, and the PYTHONPATH of the test that started it."""
     if pythonpath is None:
         os.environ.pop("PYTHONPATH", None)
     else:
         os.environ["PYTHONPATH"] = pythonpath
     for fd, path in ((1, out), (2, err)):
-        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(handle, fd)
         os.close(handle)
+
+
+def _good_run_child(folder: str, log: str, pythonpath: Optional[str]) -> None:
+    _as_started(log, log, pythonpath)
+    good_run(Path(folder))
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def child(case: Dict, run: str, extra: List[str], out: str, err: str, pythonpath: Optional[str]) -> None:
+    """The forked child: stdout/stderr to files, the fault installed, zoo's command line run (in the
+    environment of the test that started it: ``pythonpath`` is its PYTHONPATH)."""
+    _as_started(out, err, pythonpath)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     c = Case(**{**case, "words": tuple(case["words"])})
     patch = pytest.MonkeyPatch()
@@ -336,9 +375,9 @@ _CONTEXT: List[multiprocessing.context.BaseContext] = []
 def _context():
     if not _CONTEXT:
         ctx = multiprocessing.get_context("forkserver")
-        # fault_warmup builds one good run in the server, so that the first-use set-up of torch.export and
+        # support.fault_warmup builds one good run in the server, so that the first-use set-up of torch.export and
         # ExecuTorch is not paid again by every child.
-        ctx.set_forkserver_preload(["fault_injection", "fault_warmup"])
+        ctx.set_forkserver_preload(["support.faults", "support.fault_warmup"])
         # The server imports its preload modules before it knows this process's sys.path (Python 3.12's
         # forkserver does not apply it), so it finds them only through PYTHONPATH: without it the import fails
         # silently and every case imports torch, executorch and zoo anew. The children get PYTHONPATH back as
@@ -352,6 +391,22 @@ def _context():
 
 def _pythonpath() -> List[str]:
     return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def forked_good_run(folder: Path) -> Path:
+    """``good_run`` in a child of the fork server, which has paid torch.export's and ExecuTorch's first-use set-up
+    already: it costs only the run's own work (in the test's process, that set-up again). Its output goes to
+    ``folder/good_run.log``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "good_run.log"
+    process = _context().Process(target=_good_run_child, args=(str(folder), str(log), os.environ.get("PYTHONPATH")))
+    process.start()
+    process.join(TIMEOUT)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    assert process.exitcode == 0, f"the good run failed (exit {process.exitcode}):\n{log.read_text()[-3000:]}"
+    return folder / "toy-rope"
 
 
 def run_case(case: Case, run: Path, checkpoint: Optional[Path], logs: Path) -> Outcome:

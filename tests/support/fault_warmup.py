@@ -1,4 +1,4 @@
-"""Imported by the fault-injection fork server only (tests/fault_injection.py preloads it there): before the
+"""Imported by the fault-injection fork server only (tests/support/faults.py preloads it there): before the
 server forks any case, it builds one good toy run in a scratch folder of its own and removes it, so that what
 every zoo process pays on its first export, kernel preflight, lowering and verification (torch.export's and
 ExecuTorch's lazy set-up, about 10 s) is paid once, not again by each case's child. A child then costs only the
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-import fault_injection
+from support import faults
 
 
 def warm_up() -> None:
@@ -34,7 +34,7 @@ def warm_up() -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         torch.set_num_threads(1)
-        fault_injection.good_run(scratch)
+        faults.good_run(scratch)
     except BaseException as exc:  # noqa: BLE001 (the server must live on: it only costs the children time)
         error = f"{type(exc).__name__}: {exc}"
     else:
