@@ -5,8 +5,9 @@
   table: per method, runtime, seed and size, the worst relative L2 and cosine over the outputs, and pass;
   ``result_passed``: one run folder's checks (verification, sequence, latency) together.
 - ``pool_sequence``: LingBot-VA's "io" KV-pool layout over a sequence of calls in ONE zoo_runner process, each
-  call's ``X_next`` outputs fed to the next call's ``X`` inputs inside the runner, against the exported programs
-  run eagerly with the same feeding (issue 14, item 4).
+  call's ``X_next`` outputs fed to the next call's ``X`` inputs inside the runner (held there, on the GPU), against
+  the exported programs run eagerly with the same feeding; it also checks that the pool never crossed to the
+  host on its way (no input copied to the host for planned memory, no named value copied to survive a call).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import Any, Dict, List, Sequence
 import torch
 
 from . import et_runtime, verify
+from .artifact import io_memory_planning
 from .policies.base import InputSpec
 from .run_folder import RunFolder
+from .runtimes import requirement_for
 
 # LingBot-VA's two DiT methods, which read and write the one KV pool (the "io" layout hands it over via the host)
 POOL_METHODS = ("video_step", "action_step")
@@ -98,8 +101,9 @@ def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str 
         for i in stateful[m]:  # zero state to start with, as the host does (the pool is zero-initialised)
             inputs[i] = torch.zeros_like(drawn[s][i]) if s == 0 else (s - 1, source(s, i))
         plan.append((m, inputs))
+    requirement = requirement_for(run, io_memory_planning)
     result = et_runtime.run_plan(run.pte, run.ptd if run.ptd.exists() else None, plan, executable=runner,
-                                 require_cuda=require_cuda)
+                                 require_cuda=require_cuda, requirement=requirement)
 
     def eager_chain(kind: str, cast) -> List[List[torch.Tensor]]:
         modules = {m: verify._eager_module(run.program(kind, m), device) for m in methods}
@@ -122,6 +126,13 @@ def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str 
         for c, bound, facts in judged:
             rows.append({"step": s, "method": m, "output": c.name, "rel_l2": c.rel_l2, "cosine": c.cosine,
                          "max_abs": c.max_abs, "tolerance": bound, "ok": c.ok, "why": c.why})
-    return {"recipe": recipe.name, "steps": order, "step_ms": result.step_ms, "rows": rows,
-            "passed": bool(rows) and all(r["ok"] for r in rows), "load_ms": result.summary.get("load_ms"),
-            "gpu_loaded_mib": result.summary.get("gpu_loaded_mib")}
+    # The pool is handed over inside the runner: on the GPU (where the backend left it), never copied to the host
+    # for planned input memory, never copied to outlive a call (zoo_runner's counts; docs/runtime.md).
+    on_gpu = all(reply["device"][k] for reply in result.replies for k in range(len(reply["device"]))
+                 if reply["outputs"][k] is None)
+    crossing = {"host_copies": int(result.summary.get("host_copies", 0)),
+                "rescued": int(result.summary.get("rescued", 0)), "kept_on_gpu": on_gpu}
+    state_ok = crossing["rescued"] == 0 and (crossing["host_copies"] == 0 or not requirement.device_io)
+    return {"recipe": recipe.name, "steps": order, "step_ms": result.step_ms, "rows": rows, "state": crossing,
+            "passed": bool(rows) and all(r["ok"] for r in rows) and state_ok,
+            "load_ms": result.summary.get("load_ms"), "gpu_loaded_mib": result.summary.get("gpu_loaded_mib")}

@@ -40,12 +40,13 @@ from torch.utils import _pytree as pytree
 
 from . import audit, numerics
 from .aoti_runner import AotiRunner
-from .artifact import extract_method_files, reusable_method_files
+from .artifact import extract_method_files, io_memory_planning, reusable_method_files
 from .errors import NoGpuError, RuntimeCallFailed, VerificationFailed, ZooError, first_line
 from .policies.base import InputSpec
 from .progress import say, steps
 from .report import format_table
 from .run_folder import IO_SPEC_JSON, RunFolder, read_program
+from .runtimes import requirement_for
 from .et_runtime import describe
 from .verify_backends import LABELS, RuntimeChoice, choose_runtimes, executorch_caller
 
@@ -440,7 +441,9 @@ def _run_executorch(run: RunFolder, methods: Sequence[str], device: str, choice:
     outcome: Dict[str, Any] = {"describe": describe_runner(choice),
                                "release": audit.release_of(str(choice.runner_info.get("executorch_version", "")))}
     try:
-        with executorch_caller(run.pte, run.ptd, methods, device, executable=choice.runner) as (loaded, call):
+        requirement = requirement_for(run, io_memory_planning)
+        with executorch_caller(run.pte, run.ptd, methods, device, executable=choice.runner,
+                               requirement=requirement) as (loaded, call):
             outcome.update({k: loaded.get(k) for k in ("describe", "load_ms", "gpu_loaded_mib")})
             run_all("executorch", call, rows)
         ran, why = True, ""

@@ -6,7 +6,16 @@ runners never see which one they drive:
   ``eager``     ``rewritten.<method>.pt2`` (what gets lowered) run by PyTorch, on the CPU or a GPU;
   ``artifact``  each method's ``.so`` and weights blob taken out of ``model.pte`` / ``aoti_cuda_blob.ptd`` as they
                 are on disk, run through torch's AOTI runner on the GPU in the ``.so``'s own input order, exactly
-                as verification runs them (zoo.verify).
+                as verification runs them (zoo.verify);
+  ``executorch`` ``model.pte`` + ``aoti_cuda_blob.ptd`` through ExecuTorch's own C++ runtime (one zoo_runner
+                process, zoo.et_runtime). The state a family hands from call to call (``device_state``: LingBot-VA's
+                KV pool and VAE caches, Fast-WAM's video K/V) stays in the runtime, on the GPU: those outputs come
+                back as ``DeviceValue`` handles, which the family passes back in as inputs unchanged. The zoo_runner
+                must be of the release the artifact was lowered for (``runtime.json``; refused otherwise).
+
+A family declares its state as ``{method: {output: name}}``: the output is kept under ``name``, and the family
+feeds it back to the input of that name (``k_pool_next`` kept as ``k_pool``), which is what lets the runtime hand
+it over without a copy (zoo.et_runtime).
 """
 
 from __future__ import annotations
@@ -21,12 +30,17 @@ from torch.export.passes import move_to_device_pass
 from torch.utils import _pytree as pytree
 
 from ..aoti_runner import AotiRunner
-from ..artifact import extract_method_files
+from ..artifact import extract_method_files, io_memory_planning
 from ..errors import RunnerError
+from ..et_runtime import DeviceValue, RuntimeSession
+from ..progress import warn
 from ..run_folder import RunFolder
+from ..runtimes import requirement_for
 from ..verify import run_in_delegate_order
 
-BACKENDS = ("eager", "artifact")
+BACKENDS = ("eager", "artifact", "executorch")
+# {method: {output name: the name it is kept and fed back under}}
+DeviceState = Dict[str, Dict[str, str]]
 
 
 class Backend:
@@ -42,6 +56,13 @@ class Backend:
     def methods(self) -> List[str]:
         return list(self.io_spec.get("methods", {}))
 
+    def keep_state(self, state: DeviceState) -> None:
+        """The outputs the family feeds back into later calls; a backend that can keeps them where they are."""
+
+    def zeros(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> Any:
+        """Zero-filled state to start with (a KV pool), under the name the family feeds it back as."""
+        return torch.zeros(list(shape), dtype=dtype, device=self.device)
+
     def method_io(self, method: str) -> Dict[str, Any]:
         methods = self.io_spec.get("methods", {})
         if method not in methods:
@@ -49,7 +70,7 @@ class Backend:
                               f"{', '.join(methods) or 'none'})", "export the recipe with that method in unit.methods")
         return methods[method]
 
-    def call(self, method: str, **inputs: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def _ordered(self, method: str, inputs: Dict[str, Any]) -> List[Any]:
         io = self.method_io(method)
         names = [spec["name"] for spec in io["inputs"]]
         missing = [n for n in names if n not in inputs]
@@ -57,7 +78,11 @@ class Backend:
         if missing or extra:
             raise RunnerError(f"method {method!r} takes {names}; missing {missing}, unexpected {extra}",
                               "this is a zoo.runner bug: the family runner and io_spec.json disagree")
-        args = [inputs[n].to(self.device) for n in names]
+        return [inputs[n] for n in names]
+
+    def call(self, method: str, **inputs: torch.Tensor) -> Dict[str, torch.Tensor]:
+        io = self.method_io(method)
+        args = [t.to(self.device) for t in self._ordered(method, inputs)]
         outs = self._run(method, args)
         if len(outs) != len(io["outputs"]):
             raise RunnerError(f"method {method!r} returned {len(outs)} outputs, io_spec.json names "
@@ -142,9 +167,59 @@ class ArtifactBackend(Backend):
         self.close()
 
 
-def make_backend(name: str, run: RunFolder, device: str) -> Backend:
+class ExecuTorchBackend(Backend):
+    """``model.pte`` + ``aoti_cuda_blob.ptd`` in ExecuTorch's own C++ runtime (one zoo_runner process, every method
+    loaded); the family's state kept there. ``device`` is where the host side computes (noise, schedulers)."""
+
+    name = "executorch"
+
+    def __init__(self, run: RunFolder, device: str, methods: Sequence[str], executable: Optional[str] = None,
+                 require_cuda: bool = True):
+        self.session: Optional[RuntimeSession] = None
+        super().__init__(run, device)
+        if not run.pte.is_file():
+            raise RunnerError(f"{run.pte} is missing: the run was not lowered",
+                              "lower it on a GPU machine (`python -m zoo.lower RUN_DIR`), or use backend='eager'")
+        self.requirement = requirement_for(run, io_memory_planning)
+        self.session = RuntimeSession(run.pte, run.ptd if run.ptd.is_file() else None, executable=executable,
+                                      methods=methods, require_cuda=require_cuda, requirement=self.requirement)
+        self.state: DeviceState = {}
+
+    def keep_state(self, state: DeviceState) -> None:
+        self.state = {m: dict(outs) for m, outs in state.items()}
+        if state and not self.requirement.device_io:
+            warn(f"the artifact in {self.run.path} plans its graph inputs in host memory (lowered before zoo left "
+                 "them out): the state it hands from call to call is copied to the host and back in every call; "
+                 "lower the run again to keep it on the GPU")
+
+    def zeros(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> DeviceValue:
+        return self.session.zeros(name, shape, dtype)
+
+    def call(self, method: str, **inputs: Any) -> Dict[str, Any]:
+        io = self.method_io(method)
+        outputs = list(io["outputs"])
+        kept = self.state.get(method, {})
+        keep = {k: kept[name] for k, name in enumerate(outputs) if name in kept}
+        outs = self.session.call(method, self._ordered(method, inputs), keep=keep)
+        if len(outs) != len(outputs):
+            raise RunnerError(f"method {method!r} returned {len(outs)} outputs, io_spec.json names {len(outputs)}",
+                              "export and lower the run again")
+        return {name: out if isinstance(out, DeviceValue) else out.to(self.device) for name, out in zip(outputs, outs)}
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+    def __del__(self):  # the runner process and its temporary folder
+        self.close()
+
+
+def make_backend(name: str, run: RunFolder, device: str, et_runner: Optional[str] = None) -> Backend:
     if name == "eager":
         return EagerBackend(run, device)
     if name == "artifact":
         return ArtifactBackend(run, device, list(run.read_io_spec().get("methods", {})))
+    if name == "executorch":
+        return ExecuTorchBackend(run, device, list(run.read_io_spec().get("methods", {})), executable=et_runner)
     raise RunnerError(f"unknown runner backend {name!r}", f"use one of: {', '.join(BACKENDS)}")
