@@ -16,8 +16,10 @@
 #             the two DiT recipes: exported, lowered, verified on torch's AOTI runner, policy-checked on the GPU
 #   tiny-et   (nice) after runtime and tiny: scripts/gpu_runtime_check.py on those run folders: verification on
 #             both runtimes (same inputs, seeds, sizes, tolerances) and LingBot-VA's 3-call KV pool sequence
-#   real-et   after real and runtime: action_step of the real-size run on zoo_runner against the AOTI runner
-#             (latency, GPU memory after loading)
+#   real-et   after real and runtime: every method of the real-size run on zoo_runner against the AOTI runner,
+#             each with all I/O on the GPU, with its state on the GPU (the rest through the host) and with all I/O
+#             through the host (latency, GPU memory after loading), and every method loaded with weights shared
+#             and not (scripts/gpu_runtime_check.py --latency all --memory)
 #   tiny-bf16 after real (when real is a job): scripts/gpu_check.sh on the tiny LingBot-VA and Fast-WAM recipes
 #             exported in bf16 (unit.dtype=bfloat16): verified under zoo's bf16 rule and policy-checked on the
 #             GPU against LeRobot under the same rule (issue 13), alone on the machine
@@ -100,9 +102,9 @@ want tiny && "$J" start "$WORK" tiny --nice --limit 900 -- env ZOO_SITE="$WORK/c
   bash scripts/gpu_check.sh "$BUNDLE" "${TINY[@]}"
 runs=(); for r in "${TINY[@]}"; do runs+=("$RUNS/$r"); done
 want tiny-et && "$J" start "$WORK" tiny-et --after runtime,tiny --nice --limit 600 -- bash -c "$(in_env python3 scripts/gpu_runtime_check.py \
-  "${runs[*]}" --runner "$RUNNER" --steps 3 --out "$WORK/runtime-check")"
-want real-et && "$J" start "$WORK" real-et --after real,runtime --limit 600 -- bash -c "$(in_env python3 scripts/gpu_runtime_check.py \
-  "$WORK/real/run" --no-verify --steps 0 --latency action_step --runner "$RUNNER" --out "$WORK/real-et")"
+  "${runs[*]}" --runner "$RUNNER" --steps 3 --memory --out "$WORK/runtime-check")"
+want real-et && "$J" start "$WORK" real-et --after real,runtime --limit 1200 -- bash -c "$(in_env python3 scripts/gpu_runtime_check.py \
+  "$WORK/real/run" --no-verify --steps 0 --latency all --memory --iters 20 --runner "$RUNNER" --out "$WORK/real-et")"
 if want tiny-bf16; then
   after=(); want real && after=(--after real)
   "$J" start "$WORK" tiny-bf16 "${after[@]}" --limit 900 -- env ZOO_SITE="$WORK/check-site" ZOO_RUNS="$WORK/runs-bf16" \

@@ -65,7 +65,10 @@ def result_passed(res: Dict[str, Any]) -> bool:
     seq = res.get("sequence")
     if seq is not None and "skipped" not in seq:
         ok = ok and seq.get("passed") is True
-    return ok and all(row[name].get("ok") for row in res.get("latency", []) for name in ("executorch", "aoti"))
+    ok = ok and "memory_error" not in res and all(
+        res["memory"][label].get("ok") for label in ("shared", "own_copy") if "memory" in res)
+    return ok and all(value.get("ok") for row in res.get("latency", []) for key, value in row.items()
+                      if key.startswith(("executorch", "aoti")) and isinstance(value, dict))
 
 
 def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str = "cuda",

@@ -875,6 +875,7 @@ int run_single(const Options& o, Runner& runner, JsonObject& summary, Totals& to
 // --- plan mode -------------------------------------------------------------------------------------------------------
 
 struct Session {
+  Session(Runner& r, const Options& o) : runner(r), options(o) {}
   Runner& runner;
   const Options& options;
   zoo::NamedValues named;
@@ -1091,7 +1092,7 @@ int run_plan(const Options& o, Runner& runner, JsonObject& summary, Totals& tota
     in = &file;
   }
   summary.str("mode", "plan");
-  Session s{runner, o};
+  Session s(runner, o);
   std::string line;
   int rc = 0;
   while (std::getline(*in, line)) {
