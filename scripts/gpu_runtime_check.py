@@ -53,8 +53,8 @@ from zoo.errors import ZooError  # noqa: E402
 from zoo.policies.base import InputSpec  # noqa: E402
 from zoo.report import format_table  # noqa: E402
 from zoo.run_folder import RunFolder  # noqa: E402
-from zoo.runner.loading import RUNNERS  # noqa: E402
-from zoo.runtime_check import pool_sequence, result_passed, summary_rows  # noqa: E402
+from zoo.runtime_check import (IO_MODES, io_positions, pool_sequence, result_passed,  # noqa: E402
+                               state_positions, summary_rows)
 from zoo.tensor_file import write_tensor  # noqa: E402
 from zoo.verify_backends import choose_runtimes  # noqa: E402
 
@@ -96,34 +96,10 @@ def _percentiles(times: List[float]) -> Dict[str, float]:
     return {"median_ms": (times[(n - 1) // 2] + times[n // 2]) / 2, "p90_ms": times[max(0, math.ceil(0.9 * n) - 1)]}
 
 
-def state_positions(run: RunFolder, method: str) -> Dict[str, List[int]]:
-    """The inputs and outputs of ``method`` that are state (the family's ``device_state``): an output kept for a
-    later call, an input fed from one (the input named as the slot it is kept under)."""
-    settings = run.read_host_settings() if run.host_settings_file.exists() else {}
-    family = RUNNERS.get(settings.get("policy_type"))
-    state = family.device_state(settings) if family else {}
-    io = run.read_io_spec()["methods"][method]
-    slots = {slot for outs in state.values() for slot in outs.values()}
-    return {"inputs": [i for i, spec in enumerate(io["inputs"]) if spec["name"] in slots],
-            "outputs": [k for k, name in enumerate(io["outputs"]) if name in state.get(method, {})]}
-
-
-# How each runner gets its inputs and leaves its outputs in a timed call: name -> (inputs on the GPU, outputs kept)
-IO_MODES = ("device", "state", "host_io")
-
-
-def _positions(mode: str, state: Dict[str, List[int]], n_in: int, n_out: int):
-    if mode == "device":
-        return list(range(n_in)), list(range(n_out))
-    if mode == "state":
-        return state["inputs"], state["outputs"]
-    return [], []
-
-
 def et_latency(run: RunFolder, method: str, runner: Path, files: List[str], n_out: int, mode: str,
                state: Dict[str, List[int]], warmup: int, iters: int) -> Dict[str, Any]:
     """One zoo_runner process: ``method`` alone loaded, timed by the runner itself in one I/O mode."""
-    on_gpu, kept = _positions(mode, state, len(files), n_out)
+    on_gpu, kept = io_positions(mode, state, len(files), n_out)
     cmd = [str(runner), "--model", str(run.pte), "--method", method, "--inputs", ",".join(files),
            "--load", method, "--warmup", str(warmup), "--iters", str(iters),
            "--device-inputs", ",".join(map(str, on_gpu)) or "none", "--keep-outputs", ",".join(map(str, kept)) or "none"]
@@ -164,7 +140,7 @@ def aoti_latency(run: RunFolder, method: str, inputs: List[torch.Tensor], state:
     n_out = len(order["output_order"])
     rows = {}
     for mode in IO_MODES:
-        on_gpu, kept = _positions(mode, state, len(inputs), n_out)
+        on_gpu, kept = io_positions(mode, state, len(inputs), n_out)
         staged = [t.cuda() if i in on_gpu else t for i, t in enumerate(inputs)]
 
         def call() -> None:

@@ -162,22 +162,12 @@ def test_pool_sequence_judges_what_crosses_to_the_host(check, pool_run, fake_zoo
     assert out["passed"] is passed
 
 
-def _script():
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_runtime_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_runtime_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_latency_state_is_the_familys_device_state(tmp_path):
+def test_the_latency_state_is_the_familys_device_state(check, tmp_path):
     """What gpu_runtime_check keeps on the GPU in its "state" mode, for a LingBot-VA-shaped run folder, worked by
     hand from the method signatures: the pool in and out of the DiT steps, the caches in and out of the VAE."""
     from zoo.run_folder import RunFolder
 
-    script = _script()
+    script = check
     run = RunFolder(tmp_path)
     run.write_host_settings({"policy_type": "lingbot_va", "vae": {"first_method": "vae_encode_first",
                                                                   "step_method": "vae_encode", "cache": ["c0", "c1"]}})
@@ -191,6 +181,6 @@ def test_the_latency_state_is_the_familys_device_state(tmp_path):
     assert script.state_positions(run, "vae_encode_first") == {"inputs": [], "outputs": [1, 2]}
     assert script.state_positions(run, "vae_encode") == {"inputs": [1, 2], "outputs": [1, 2]}
     state = script.state_positions(run, "video_step")
-    assert script._positions("device", state, 4, 3) == ([0, 1, 2, 3], [0, 1, 2])
-    assert script._positions("state", state, 4, 3) == ([2, 3], [1, 2])
-    assert script._positions("host_io", state, 4, 3) == ([], [])
+    assert script.io_positions("device", state, 4, 3) == ([0, 1, 2, 3], [0, 1, 2])
+    assert script.io_positions("state", state, 4, 3) == ([2, 3], [1, 2])
+    assert script.io_positions("host_io", state, 4, 3) == ([], [])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -22,6 +22,7 @@ from . import et_runtime, verify
 from .artifact import io_memory_planning
 from .policies.base import InputSpec
 from .run_folder import RunFolder
+from .runner.loading import RUNNERS
 from .runtimes import requirement_for
 
 # LingBot-VA's two DiT methods, which read and write the one KV pool (the "io" layout hands it over via the host)
@@ -139,3 +140,29 @@ def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str 
     return {"recipe": recipe.name, "steps": order, "step_ms": result.step_ms, "rows": rows, "state": crossing,
             "passed": bool(rows) and all(r["ok"] for r in rows) and state_ok,
             "load_ms": result.summary.get("load_ms"), "gpu_loaded_mib": result.summary.get("gpu_loaded_mib")}
+
+
+def state_positions(run: RunFolder, method: str) -> Dict[str, List[int]]:
+    """The inputs and outputs of ``method`` that are state (the family's ``device_state``): an output kept for a
+    later call, an input fed from one (the input named as the slot it is kept under)."""
+    settings = run.read_host_settings() if run.host_settings_file.exists() else {}
+    family = RUNNERS.get(settings.get("policy_type"))
+    state = family.device_state(settings) if family else {}
+    io = run.read_io_spec()["methods"][method]
+    slots = {slot for outs in state.values() for slot in outs.values()}
+    return {"inputs": [i for i, spec in enumerate(io["inputs"]) if spec["name"] in slots],
+            "outputs": [k for k, name in enumerate(io["outputs"]) if name in state.get(method, {})]}
+
+
+# How a timed call gets its inputs and leaves its outputs (gpu_runtime_check's --latency): every input on the GPU and
+# every output left there; the state on the GPU, the rest through the host; everything through the host.
+IO_MODES = ("device", "state", "host_io")
+
+
+def io_positions(mode: str, state: Dict[str, List[int]], n_in: int, n_out: int) -> Tuple[List[int], List[int]]:
+    """The inputs on the GPU and the outputs kept there, in one of ``IO_MODES``."""
+    if mode == "device":
+        return list(range(n_in)), list(range(n_out))
+    if mode == "state":
+        return state["inputs"], state["outputs"]
+    return [], []

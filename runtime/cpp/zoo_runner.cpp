@@ -987,6 +987,8 @@ std::string run_call(Session& s, std::istringstream& in, const std::string& meth
   for (size_t k = 0; k < specs.size(); ++k) {
     if (specs[k].mode == OutMode::Keep && !r.none[k]) {
       s.named.bind(specs[k].name, r.outputs[k]);
+      r.outputs[k].device.reset();  // the history keeps its shape only: a held value is used as $NAME, not @S:K
+      r.outputs[k].host = HostTensor{};
       kept.push_back(specs[k].name);
     }
   }

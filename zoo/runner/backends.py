@@ -58,6 +58,7 @@ class Backend:
 
     def keep_state(self, state: DeviceState) -> None:
         """The outputs the family feeds back into later calls; a backend that can keeps them where they are."""
+        check_state(state, self.io_spec.get("methods", {}))
 
     def zeros(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> Any:
         """Zero-filled state to start with (a KV pool), under the name the family feeds it back as."""
@@ -167,6 +168,20 @@ class ArtifactBackend(Backend):
         self.close()
 
 
+def check_state(state: DeviceState, methods: Dict[str, Any]) -> None:
+    """Each kept output is an output of its method, and each name it is kept under is an input of some method
+    (the one it is fed back to); a method the run does not have is skipped (an optional method)."""
+    inputs = {spec["name"] for io in methods.values() for spec in io["inputs"]}
+    for method, outs in state.items():
+        if method not in methods:
+            continue
+        for output, name in outs.items():
+            if output not in methods[method]["outputs"] or name not in inputs:
+                raise RunnerError(f"the host loop keeps output {output!r} of {method!r} as {name!r}, but the run's "
+                                  f"io_spec.json has no such {'output' if name in inputs else 'input'}",
+                                  "this is a zoo.runner bug: the family's device_state and io_spec.json disagree")
+
+
 class ExecuTorchBackend(Backend):
     """``model.pte`` + ``aoti_cuda_blob.ptd`` in ExecuTorch's own C++ runtime (one zoo_runner process, every method
     loaded); the family's state kept there. ``device`` is where the host side computes (noise, schedulers)."""
@@ -186,6 +201,7 @@ class ExecuTorchBackend(Backend):
         self.state: DeviceState = {}
 
     def keep_state(self, state: DeviceState) -> None:
+        super().keep_state(state)
         self.state = {m: dict(outs) for m, outs in state.items()}
         if state and not self.requirement.device_io:
             warn(f"the artifact in {self.run.path} plans its graph inputs in host memory (lowered before zoo left "
