@@ -9,7 +9,9 @@
 # adds the float32-pair variants of the tiny LingBot-VA and Fast-WAM recipes (RECIPE+f32pairs: rotary_pairs=float32
 # and narrow_float64 in place of split_float64_constants, the variant ExecuTorch 1.2's runtime can load; as written they use float64 pairs, which it cannot), and
 # scripts/gpu_runtime_check.py ends with one short table (recipe, method, runtime, seed/sizes, worst rel L2,
-# cosine, pass) plus LingBot-VA's 3-call KV pool sequence through the C++ runner against eager; its text and JSON
+# cosine, pass) plus LingBot-VA's 3-call KV pool sequence through the C++ runner against eager (the pool held on the
+# GPU), the GPU memory of every method loaded with weights shared and not, and zoo's policy check with the runner on
+# backend=executorch against LeRobot; its text and JSON
 # go to $ZOO_CHECK_OUT (default: $OUT when set, else RUNS/runtime-check).
 # Environment: ZOO_SITE (install folder, default /tmp/zoo-site), ZOO_RUNS (run folders, default ./runs),
 # ZOO_PYTHON (default python3), ZOO_EXPORT_ARGS (extra overrides for every recipe).
@@ -79,7 +81,8 @@ rc=$?
 if [ -n "$ET_RUNNER" ]; then
   echo "[gpu_check] ===== both runtimes, side by side (from each run's report.json), and the KV pool sequence =====" >&2
   CHECK_OUT="${ZOO_CHECK_OUT:-${OUT:-$RUNS}/runtime-check}"
-  "$PY" scripts/gpu_runtime_check.py "${args[@]}" --from-report --steps 3 --runner "$ET_RUNNER" --out "$CHECK_OUT" \
+  "$PY" scripts/gpu_runtime_check.py "${args[@]}" --from-report --steps 3 --memory --policy-check --runner "$ET_RUNNER" \
+    --out "$CHECK_OUT" \
     || rc=1
   echo "[gpu_check] runtime check: $CHECK_OUT/runtime_check.txt and runtime_check.json" >&2
 fi

@@ -20,7 +20,12 @@ Per run folder:
    a device synchronisation after each; its median includes its own copies back to the host). Needs only
    model.pte, aoti_cuda_blob.ptd, io_spec.json, host_settings.json and so/<method>.io.json: a real-size run
    folder lowered elsewhere will do.
-4. ``--memory``: every method loaded in one zoo_runner, the GPU memory it took with the weights shared across
+4. ``--policy-check``: zoo's policy check with the runner on ``backend="executorch"`` (zoo.runner's host loop
+   driving the artifact through zoo_runner, its state held on the GPU) against LeRobot's own policy on the GPU, the
+   recipe's observations, tolerances and bf16 rule (zoo.policy_check.check_run); for runs with their recipe and
+   programs, where LeRobot is installed, and not where verification recorded the ExecuTorch runtime as expected
+   not to load the artifact.
+5. ``--memory``: every method loaded in one zoo_runner, the GPU memory it took with the weights shared across
    methods and with each method's own copy (``--no-weight-sharing``), against the .ptd and the methods' blobs.
 One short table on stdout; everything in OUT/runtime_check.json and OUT/runtime_check.txt (nothing large: the
 tensor files and extracted weights go to a temporary folder, removed at the end). Exit 0 when every check passed
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import math
 import shutil
 import subprocess
@@ -235,6 +241,11 @@ def text_report(report: Dict[str, Any]) -> str:
         elif seq:
             lines.append(f"{res['recipe']} KV sequence: {seq.get('skipped') or seq.get('error')}")
         lines += latency_lines(res)
+        check = res.get("policy_check")
+        if check:
+            words = check.get("skipped") or ("passed" if check.get("ok") else f"FAILED {check.get('error', '')}")
+            lines.append(f"{res['recipe']}: policy check, zoo.runner on backend=executorch vs LeRobot: {words}"
+                         + (f"\n{check['table']}" if check.get("table") else ""))
         memory = res.get("memory")
         if memory:
             mrows = [["every method loaded", "GPU MiB after loading", "load ms", "ok"]]
@@ -284,6 +295,26 @@ def _num(value: Any, spec: str = ".0f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def executorch_policy_check(run: RunFolder, recipe, verification: Optional[Dict[str, Any]], say) -> Dict[str, Any]:
+    """zoo.runner on backend="executorch" against LeRobot's policy on the GPU (the pipeline's GPU policy check with
+    the other backend); ``skipped`` with the reason where it cannot run."""
+    from zoo.policy_check import checkpoint_in_reach, check_run as policy_check_run, why_skipped
+
+    status = ((verification or {}).get("runtimes") or {}).get("executorch", {}).get("status")
+    reason = why_skipped(recipe, "gpu") or (
+        "the ExecuTorch runtime cannot load this artifact (verification: expected)" if status == verify.EXPECTED
+        else None)
+    if reason:
+        return {"skipped": reason}
+    say("policy check with zoo.runner on backend=executorch against LeRobot")
+    try:
+        with checkpoint_in_reach(recipe) as folder:
+            result = policy_check_run(run, recipe, folder, backend="executorch", device="cuda")
+        return {"ok": result.ok, "table": result.table(), "result": result.as_dict()}
+    except Exception as exc:  # recorded: a failure here is a finding
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+
+
 def check_run(run_dir: Path, args, runner: Path, work: Path) -> Dict[str, Any]:
     run = RunFolder(run_dir)
     recipe = run.load_recipe() if run.recipe_file.exists() else None
@@ -318,6 +349,8 @@ def check_run(run_dir: Path, args, runner: Path, work: Path) -> Dict[str, Any]:
             res["latency"].append(latency(run, recipe, method, runner, work, args.warmup, args.iters))
         except Exception as exc:
             res["latency_error"] = f"{method}: {type(exc).__name__}: {exc}"
+    if args.policy_check and has_programs:
+        res["policy_check"] = executorch_policy_check(run, recipe, res.get("verification"), say)
     if args.memory:
         say("GPU memory with every method loaded, weights shared and not")
         try:
@@ -338,6 +371,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--no-verify", action="store_true", help="no verification (a run folder without its programs)")
     p.add_argument("--steps", type=int, default=3, help="calls in the LingBot-VA KV pool sequence (0: none)")
     p.add_argument("--latency", nargs="*", default=[], metavar="METHOD", help="methods to time (all: every one)")
+    p.add_argument("--policy-check", action="store_true",
+                   help="zoo's policy check with the runner on backend=executorch against LeRobot (needs lerobot)")
     p.add_argument("--memory", action="store_true",
                    help="GPU memory with every method loaded, weights shared across methods and not")
     p.add_argument("--warmup", type=int, default=3)
@@ -356,6 +391,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[gpu_runtime_check] {exc}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    os.environ[et_runtime.RUNNER_ENV] = str(runner)  # zoo.runner's executorch backend (--policy-check) finds it here
     report: Dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                               "runner": et_runtime.describe(info), "runner_info": info, "results": []}
     work = Path(tempfile.mkdtemp(prefix="zoo-runtime-check-", dir=args.work))

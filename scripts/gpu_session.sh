@@ -102,7 +102,7 @@ want tiny && "$J" start "$WORK" tiny --nice --limit 900 -- env ZOO_SITE="$WORK/c
   bash scripts/gpu_check.sh "$BUNDLE" "${TINY[@]}"
 runs=(); for r in "${TINY[@]}"; do runs+=("$RUNS/$r"); done
 want tiny-et && "$J" start "$WORK" tiny-et --after runtime,tiny --nice --limit 600 -- bash -c "$(in_env python3 scripts/gpu_runtime_check.py \
-  "${runs[*]}" --runner "$RUNNER" --steps 3 --memory --out "$WORK/runtime-check")"
+  "${runs[*]}" --runner "$RUNNER" --steps 3 --memory --policy-check --out "$WORK/runtime-check")"
 want real-et && "$J" start "$WORK" real-et --after real,runtime --limit 1200 -- bash -c "$(in_env python3 scripts/gpu_runtime_check.py \
   "$WORK/real/run" --no-verify --steps 0 --latency all --memory --iters 20 --runner "$RUNNER" --out "$WORK/real-et")"
 if want tiny-bf16; then

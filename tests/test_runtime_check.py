@@ -67,6 +67,8 @@ def test_the_sequence_and_latency_decide_too(check):
     memory = {"methods": ["a"], "shared": {"ok": True}, "own_copy": {"ok": False}}
     assert not check.result_passed({"memory": memory})
     assert check.result_passed({"memory": {**memory, "own_copy": {"ok": True}}})
+    assert not check.result_passed({"policy_check": {"ok": False, "error": "x"}})
+    assert check.result_passed({"policy_check": {"skipped": "no lerobot"}})
 
 
 # --- the LingBot-VA KV pool sequence, on the fake runner ---------------------------------------------------------------

@@ -66,6 +66,8 @@ def result_passed(res: Dict[str, Any]) -> bool:
     seq = res.get("sequence")
     if seq is not None and "skipped" not in seq:
         ok = ok and seq.get("passed") is True
+    check = res.get("policy_check")
+    ok = ok and (check is None or "skipped" in check or bool(check.get("ok")))
     ok = ok and "memory_error" not in res and all(
         res["memory"][label].get("ok") for label in ("shared", "own_copy") if "memory" in res)
     return ok and all(value.get("ok") for row in res.get("latency", []) for key, value in row.items()
