@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU evidence of issues 12-14 in one held H200, started by one call and waited on by the next ones:
 #
-#   scripts/gpu_session.sh BUNDLE_DIR ET_SRC|- WORK [--jobs A,B,...] [--real RECIPE:METHODS] [--chunk POLICY]   (returns once every job is started)
+#   scripts/gpu_session.sh BUNDLE_DIR ET_SRC|- WORK [--jobs A,B,...] [--real RECIPE:METHODS] [--no-bench] [--chunk POLICY]   (returns once every job is started)
 #   scripts/gpu_jobs.sh wait WORK 560; scripts/gpu_jobs.sh collect WORK $OUT real/summary.txt ...   (later calls)
 #
 # Jobs (scripts/gpu_jobs.sh; --jobs picks them, default real,runtime,tiny,tiny-et,real-et; ET_SRC may be - when
@@ -10,7 +10,8 @@
 # lowest CPU priority (nice 19) to fit a session, and its profile's load timeline shows what ran beside it:
 #   real      scripts/real_size.py on --real's recipe and methods (default lingbot-va:video_step,action_step)
 #             under the sampling profiler (build, export, rewrite, parallel lowering, assembly, audit,
-#             verification, bench, sizes), at normal priority
+#             verification, bench, sizes), at normal priority; --no-bench leaves out its bench (the real-et job
+#             times the methods on both runtimes itself)
 #   runtime   (nice) scripts/build_runtime.sh ET_SRC WORK/runtime: ExecuTorch's C++ runtime + CUDA backend + zoo_runner
 #   tiny      (nice) scripts/gpu_check.sh BUNDLE_DIR on the three tiny recipes and the float32-pair variants of
 #             the two DiT recipes: exported, lowered, verified on torch's AOTI runner, policy-checked on the GPU
@@ -45,10 +46,12 @@ BUNDLE="$(cd "$1" && pwd)"; ET_SRC="$2"
 mkdir -p "$3"; WORK="$(cd "$3" && pwd)"
 shift 3
 JOBS=",real,runtime,tiny,tiny-et,real-et,"; REAL_SPEC="lingbot-va:video_step,action_step"; CHUNK_POLICY=fast_wam
+REAL_BENCH=(--runs 10 --warmup 2)
 while [ $# -gt 0 ]; do
   case "$1" in
     --jobs) JOBS=",$2,"; shift 2 ;;
     --real) REAL_SPEC="$2"; shift 2 ;;
+    --no-bench) REAL_BENCH=(--no-bench); shift ;;
     --chunk) CHUNK_POLICY="$2"; shift 2 ;;
     *) echo "gpu_session: unknown option $1" >&2; usage ;;
   esac
@@ -94,7 +97,7 @@ fi
 if want real; then
   "$J" start "$WORK" real "${first[@]}" --limit 1500 -- bash -c "$(in_env python3 -m zoo.sampling_profiler \
     --out "$WORK/real/profile.txt" scripts/real_size.py --out "$WORK/real" --recipe "$REAL_RECIPE" \
-    --methods "$REAL_METHODS" --runs 10 --warmup 2)"
+    --methods "$REAL_METHODS" ${REAL_BENCH[*]})"
 fi
 # 6 compile jobs: the real-size lowering holds most of the host's memory.
 want runtime && "$J" start "$WORK" runtime --nice --limit 900 -- bash scripts/build_runtime.sh "$ET_SRC" "$WORK/runtime" --jobs 6
