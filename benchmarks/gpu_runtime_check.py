@@ -1,7 +1,7 @@
 """Lowered run folders through ExecuTorch's C++ runtime (zoo_runner) next to torch's AOTI runner, on a GPU.
 
-    python benchmarks/gpu_runtime_check.py RUN_DIR [RUN_DIR ...] --out OUT --runner PATH
-        [--from-report | --no-verify] [--steps 3] [--latency METHOD ...] [--warmup 3] [--iters 20]
+    python scripts/gpu_runtime_check.py RUN_DIR [RUN_DIR ...] --out OUT --runner PATH
+        [--from-report | --no-verify] [--steps 3] [--latency METHOD ...] [--warmup 3] [--iters 20] [--memory]
 
 Per run folder:
 1. Verification on both runtimes (zoo.export.verify with ``runtimes=both``: the same inputs, seeds, sizes and
@@ -12,10 +12,21 @@ Per run folder:
    video_step and action_step in ONE zoo_runner process (one loaded program), each call's pool outputs fed to the
    next call inside the runner, against the exported programs run eagerly with the same feeding.
 3. ``--latency METHOD`` (or ``all``): that method at the first seed and size, warm-up then timed calls (median,
-   p90), and the GPU memory after loading it, on the C++ runner and on torch's AOTI runner (twice: inputs and
-   outputs on the GPU, and copied from and to host memory on every call, as the C++ runtime's CUDA backend does
-   inside each call; the second is the like-for-like figure). Needs only model.pte,
-   aoti_cuda_blob.ptd, io_spec.json and so/<method>.io.json: a real-size run folder lowered elsewhere will do.
+   p90), and the GPU memory after loading it, on the C++ runner and on torch's AOTI runner, each in three ways:
+   ``device`` (every input already on the GPU, every output left there: the compiled code alone), ``state`` (the
+   state the family's host loop hands from call to call, its ``device_state``, on the GPU; the other inputs from
+   host memory and the other outputs back to it in every call: what a deployment pays) and ``host_io`` (every
+   input from host memory and every output back in every call). zoo_runner times its calls itself (steady clock,
+   a device synchronisation after each; its median includes its own copies back to the host). Needs only
+   model.pte, aoti_cuda_blob.ptd, io_spec.json, host_settings.json and so/<method>.io.json: a real-size run
+   folder lowered elsewhere will do.
+4. ``--policy-check``: zoo's policy check with the runner on ``backend="executorch"`` (zoo.runner's host loop
+   driving the artifact through zoo_runner, its state held on the GPU) against LeRobot's own policy on the GPU, the
+   recipe's observations, tolerances and bf16 rule (zoo.export.policy_check.check_run); for runs with their recipe and
+   programs, where LeRobot is installed, and not where verification recorded the ExecuTorch runtime as expected
+   not to load the artifact.
+5. ``--memory``: every method loaded in one zoo_runner, the GPU memory it took with the weights shared across
+   methods and with each method's own copy (``--no-weight-sharing``), against the .ptd and the methods' blobs.
 One short table on stdout; everything in OUT/runtime_check.json and OUT/runtime_check.txt (nothing large: the
 tensor files and extracted weights go to a temporary folder, removed at the end). Exit 0 when every check passed
 (a failure of the C++ runtime that the audit predicted counts as passed, and says so), 1 when one failed, 2 for
@@ -26,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import math
 import shutil
 import subprocess
@@ -36,6 +48,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+REPO = Path(__file__).resolve().parents[1]
+
 import torch  # noqa: E402
 
 from zoo.runtimes import executorch as et_runtime
@@ -45,7 +59,8 @@ from zoo.core.errors import ZooError  # noqa: E402
 from zoo.policies.base import InputSpec  # noqa: E402
 from zoo.core.report import format_table  # noqa: E402
 from zoo.contract.run_folder import RunFolder  # noqa: E402
-from zoo.export.runtime_sequence import pool_sequence, result_passed, summary_rows  # noqa: E402
+from zoo.export.runtime_sequence import (IO_MODES, io_positions, pool_sequence, result_passed,  # noqa: E402
+                               state_positions, summary_rows)
 from zoo.contract.tensor_file import write_tensor  # noqa: E402
 from zoo.export.verify_runtimes import choose_runtimes  # noqa: E402
 
@@ -87,28 +102,32 @@ def _percentiles(times: List[float]) -> Dict[str, float]:
     return {"median_ms": (times[(n - 1) // 2] + times[n // 2]) / 2, "p90_ms": times[max(0, math.ceil(0.9 * n) - 1)]}
 
 
-def latency(run: RunFolder, recipe, method: str, runner: Path, work: Path, warmup: int, iters: int) -> Dict[str, Any]:
-    """One method on zoo_runner (its own timing: steady clock after a CUDA sync, only that method loaded) and on
-    torch's AOTI runner in this process, timed the same way; the GPU memory each took to load it."""
-    used, seed, inputs = _latency_inputs(run, recipe, method)
-    row: Dict[str, Any] = {"method": method, "seed": seed, "sizes": used, "warmup": warmup, "iters": iters}
-    files = [str(write_tensor(work / f"{method}.in{i}.zt", t)) for i, t in enumerate(inputs)]
+def et_latency(run: RunFolder, method: str, runner: Path, files: List[str], n_out: int, mode: str,
+               state: Dict[str, List[int]], warmup: int, iters: int) -> Dict[str, Any]:
+    """One zoo_runner process: ``method`` alone loaded, timed by the runner itself in one I/O mode."""
+    on_gpu, kept = io_positions(mode, state, len(files), n_out)
     cmd = [str(runner), "--model", str(run.pte), "--method", method, "--inputs", ",".join(files),
-           "--load", method, "--warmup", str(warmup), "--iters", str(iters)]
+           "--load", method, "--warmup", str(warmup), "--iters", str(iters),
+           "--device-inputs", ",".join(map(str, on_gpu)) or "none", "--keep-outputs", ",".join(map(str, kept)) or "none"]
     if run.ptd.exists():
         cmd += ["--data", str(run.ptd)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=900)
     summary = et_runtime._last_json(proc.stdout) or {}
-    row["executorch"] = {k: summary.get(k) for k in ("ok", "error", "load_ms", "median_ms", "p90_ms",
-                                                     "gpu_loaded_mib", "weight_sharing_across_methods")}
-    row["executorch"]["process_s"] = round(time.perf_counter() - t0, 1)
+    row = {k: summary.get(k) for k in ("ok", "error", "load_ms", "median_ms", "p90_ms", "median_execute_ms",
+                                       "median_io_ms", "gpu_loaded_mib", "gpu_used_mib_peak", "host_copies",
+                                       "weight_sharing_across_methods", "memory_planned")}
+    row.update(process_s=round(time.perf_counter() - t0, 1), device_inputs=on_gpu, kept_outputs=kept)
     if proc.returncode != 0 or not summary.get("ok"):
-        row["executorch"]["ok"] = False
-        row["executorch"]["log_tail"] = et_runtime._tail(proc.stderr, 15)
-    for f in files:
-        Path(f).unlink(missing_ok=True)
+        row["ok"] = False
+        row["log_tail"] = et_runtime._tail(proc.stderr, 15)
+    return row
 
+
+def aoti_latency(run: RunFolder, method: str, inputs: List[torch.Tensor], state: Dict[str, List[int]],
+                 work: Path, warmup: int, iters: int) -> Dict[str, Dict[str, Any]]:
+    """torch's AOTI runner over the same .so and weights in this process, timed the same way in each I/O mode:
+    inputs not on the GPU are copied from host memory in each call, outputs not kept are copied back."""
     from zoo.runtimes.aoti import AotiRunner
 
     so, weights = run.so_file(method), run.weights_file(method)
@@ -121,12 +140,21 @@ def latency(run: RunFolder, recipe, method: str, runner: Path, work: Path, warmu
     t0 = time.perf_counter()
     aoti = AotiRunner(so, weights if weights is not None and Path(weights).exists() else None)
     torch.cuda.synchronize()
-    load_ms = (time.perf_counter() - t0) * 1e3
-    loaded_mib = (free_before - torch.cuda.mem_get_info()[0]) / 2**20
+    loaded = {"ok": True, "load_ms": (time.perf_counter() - t0) * 1e3,
+              "gpu_loaded_mib": (free_before - torch.cuda.mem_get_info()[0]) / 2**20}
     order = run.io_order(method)
-    cuda_inputs = [t.cuda() for t in inputs]
+    n_out = len(order["output_order"])
+    rows = {}
+    for mode in IO_MODES:
+        on_gpu, kept = io_positions(mode, state, len(inputs), n_out)
+        staged = [t.cuda() if i in on_gpu else t for i, t in enumerate(inputs)]
 
-    def timed(call) -> Dict[str, float]:
+        def call() -> None:
+            outs = verify.run_in_delegate_order(aoti, order, [t.cuda() for t in staged])
+            for k, t in enumerate(outs):
+                if k not in kept:
+                    t.cpu()
+
         times = []
         for i in range(warmup + iters):
             torch.cuda.synchronize()
@@ -135,19 +163,52 @@ def latency(run: RunFolder, recipe, method: str, runner: Path, work: Path, warmu
             torch.cuda.synchronize()
             if i >= warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
-        return _percentiles(times)
-
-    # inputs already on the GPU, outputs left there: the compiled code alone
-    row["aoti"] = {"ok": True, "load_ms": load_ms, **timed(lambda: verify.run_in_delegate_order(aoti, order,
-                                                                                                 cuda_inputs)),
-                   "gpu_loaded_mib": loaded_mib}
-    # inputs from host memory, outputs back to it on every call, as ExecuTorch 1.2's CUDA backend does inside
-    # execute() (zoo_runner's timing includes those copies): the like-for-like figure
-    row["aoti_host_io"] = {"ok": True, **timed(lambda: [t.cpu() for t in verify.run_in_delegate_order(
-        aoti, order, [t.cuda() for t in inputs])])}
-    del aoti, cuda_inputs
+        rows[mode] = {**(loaded if mode == "device" else {"ok": True}), **_percentiles(times),
+                      "device_inputs": on_gpu, "kept_outputs": kept}
+        del staged
+    del aoti
     torch.cuda.empty_cache()
+    return rows
+
+
+def latency(run: RunFolder, recipe, method: str, runner: Path, work: Path, warmup: int, iters: int) -> Dict[str, Any]:
+    """One method on zoo_runner and on torch's AOTI runner, each in every I/O mode (``IO_MODES``)."""
+    used, seed, inputs = _latency_inputs(run, recipe, method)
+    state = state_positions(run, method)
+    row: Dict[str, Any] = {"method": method, "seed": seed, "sizes": used, "warmup": warmup, "iters": iters,
+                           "state": state}
+    files = [str(write_tensor(work / f"{method}.in{i}.zt", t)) for i, t in enumerate(inputs)]
+    n_out = len(run.read_io_spec()["methods"][method]["outputs"])
+    for mode in IO_MODES:
+        row[f"executorch_{mode}"] = et_latency(run, method, runner, files, n_out, mode, state, warmup, iters)
+    for f in files:
+        Path(f).unlink(missing_ok=True)
+    for mode, r in aoti_latency(run, method, inputs, state, work, warmup, iters).items():
+        row[f"aoti_{mode}"] = r
     return row
+
+
+def load_memory(run: RunFolder, runner: Path, methods: Sequence[str]) -> Dict[str, Any]:
+    """Every method loaded in one zoo_runner (a plan that ends at once), with and without weight sharing: the GPU
+    memory each took, against the .ptd and the sum of the methods' weights blobs."""
+    from zoo.contract.artifact import read_ptd_entries
+
+    entries = read_ptd_entries(run.ptd) if run.ptd.exists() else []
+    blobs = {e.key: e.size for e in entries if e.key.endswith("_weights_blob")}
+    record: Dict[str, Any] = {"methods": list(methods), "ptd_mib": run.ptd.stat().st_size / 2**20 if entries else 0,
+                              "blobs_mib": sum(blobs.values()) / 2**20}
+    for label, extra in (("shared", []), ("own_copy", ["--no-weight-sharing"])):
+        cmd = [str(runner), "--model", str(run.pte), "--plan", "-", *extra]
+        if run.ptd.exists():
+            cmd += ["--data", str(run.ptd)]
+        proc = subprocess.run(cmd, input="quit\n", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              timeout=900)
+        summary = et_runtime._last_json(proc.stdout) or {}
+        record[label] = {k: summary.get(k) for k in ("ok", "error", "load_ms", "gpu_loaded_mib",
+                                                     "weight_sharing_across_methods")}
+        if proc.returncode != 0 or not summary.get("ok"):
+            record[label].update(ok=False, log_tail=et_runtime._tail(proc.stderr, 15))
+    return record
 
 
 # --- the report ----------------------------------------------------------------------------------------------------------
@@ -179,26 +240,79 @@ def text_report(report: Dict[str, Any]) -> str:
                          f"{', '.join(f'{t:.2f}' for t in seq['step_ms'])})\n" + format_table(srows))
         elif seq:
             lines.append(f"{res['recipe']} KV sequence: {seq.get('skipped') or seq.get('error')}")
-        for row in res.get("latency", []):
-            lrows = [["runner", "load ms", "median ms", "p90 ms", "GPU MiB after loading", "ok"]]
-            for name in ("executorch", "aoti", "aoti_host_io"):
-                r = row.get(name, {})
-                lrows.append([name, _num(r.get("load_ms")), _num(r.get("median_ms"), ".3f"),
-                              _num(r.get("p90_ms"), ".3f"), _num(r.get("gpu_loaded_mib")),
+        lines += latency_lines(res)
+        check = res.get("policy_check")
+        if check:
+            words = check.get("skipped") or ("passed" if check.get("ok") else f"FAILED {check.get('error', '')}")
+            lines.append(f"{res['recipe']}: policy check, zoo.runner on backend=executorch vs LeRobot: {words}"
+                         + (f"\n{check['table']}" if check.get("table") else ""))
+        memory = res.get("memory")
+        if memory:
+            mrows = [["every method loaded", "GPU MiB after loading", "load ms", "ok"]]
+            for label, words in (("shared", "weights shared across methods"), ("own_copy", "each method its own copy")):
+                r = memory.get(label, {})
+                mrows.append([words, _num(r.get("gpu_loaded_mib")), _num(r.get("load_ms")),
                               "yes" if r.get("ok") else f"no: {r.get('error', '')}"])
-            lines.append(f"{res['recipe']} {row['method']} at seed {row['seed']}, sizes {row['sizes']}: "
-                         f"{row['warmup']} warm-up + {row['iters']} timed calls\n" + format_table(lrows))
-            if row["executorch"].get("log_tail"):
-                lines.append("zoo_runner's log:\n" + row["executorch"]["log_tail"])
-        for key in ("latency_error", "verification_error"):
+            lines.append(f"{res['recipe']}: {', '.join(memory['methods'])} in one zoo_runner; the .ptd holds "
+                         f"{memory['ptd_mib']:.0f} MiB, the methods' weights blobs {memory['blobs_mib']:.0f} MiB together "
+                         f"({memory.get('shared', {}).get('weight_sharing_across_methods', '?')})\n"
+                         + format_table(mrows))
+            for label in ("shared", "own_copy"):
+                if memory.get(label, {}).get("log_tail"):
+                    lines.append("zoo_runner's log:\n" + memory[label]["log_tail"])
+        for key in ("latency_error", "verification_error", "memory_error"):
             if key in res:
                 lines.append(f"{res['recipe']} {key}: {res[key]}")
     lines.append("RESULT: " + ("passed" if report["passed"] else "FAILED"))
     return "\n".join(lines)
 
 
+def latency_lines(res: Dict[str, Any]) -> List[str]:
+    """Per timed method: one row per runner and I/O mode (``IO_MODES``)."""
+    lines = []
+    words = {"device": "all inputs on the GPU, all outputs left there", "state": "state on the GPU, the rest host",
+             "host_io": "every input from the host, every output back"}
+    for row in res.get("latency", []):
+        lrows = [["runner", "I/O in each call", "median ms", "p90 ms", "execute ms", "load ms", "GPU MiB after loading",
+                  "ok"]]
+        for runner in ("executorch", "aoti"):
+            for mode in IO_MODES:
+                r = row.get(f"{runner}_{mode}", {})
+                lrows.append([runner, words[mode], _num(r.get("median_ms"), ".3f"), _num(r.get("p90_ms"), ".3f"),
+                              _num(r.get("median_execute_ms"), ".3f"), _num(r.get("load_ms")),
+                              _num(r.get("gpu_loaded_mib")), "yes" if r.get("ok") else f"no: {r.get('error', '')}"])
+        state = row.get("state", {})
+        lines.append(f"{res['recipe']} {row['method']} at seed {row['seed']}, sizes {row['sizes']}: {row['warmup']} "
+                     f"warm-up + {row['iters']} timed calls; state inputs {state.get('inputs')}, state outputs "
+                     f"{state.get('outputs')}\n" + format_table(lrows))
+        for mode in IO_MODES:
+            if row.get(f"executorch_{mode}", {}).get("log_tail"):
+                lines.append(f"zoo_runner's log ({mode}):\n" + row[f"executorch_{mode}"]["log_tail"])
+    return lines
+
+
 def _num(value: Any, spec: str = ".0f") -> str:
     return "-" if value is None else format(value, spec)
+
+
+def executorch_policy_check(run: RunFolder, recipe, verification: Optional[Dict[str, Any]], say) -> Dict[str, Any]:
+    """zoo.runner on backend="executorch" against LeRobot's policy on the GPU (the pipeline's GPU policy check with
+    the other backend); ``skipped`` with the reason where it cannot run."""
+    from zoo.export.policy_check import checkpoint_in_reach, check_run as policy_check_run, why_skipped
+
+    status = ((verification or {}).get("runtimes") or {}).get("executorch", {}).get("status")
+    reason = why_skipped(recipe, "gpu") or (
+        "the ExecuTorch runtime cannot load this artifact (verification: expected)" if status == verify.EXPECTED
+        else None)
+    if reason:
+        return {"skipped": reason}
+    say("policy check with zoo.runner on backend=executorch against LeRobot")
+    try:
+        with checkpoint_in_reach(recipe) as folder:
+            result = policy_check_run(run, recipe, folder, backend="executorch", device="cuda")
+        return {"ok": result.ok, "table": result.table(), "result": result.as_dict()}
+    except Exception as exc:  # recorded: a failure here is a finding
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
 
 
 def check_run(run_dir: Path, args, runner: Path, work: Path) -> Dict[str, Any]:
@@ -226,7 +340,7 @@ def check_run(run_dir: Path, args, runner: Path, work: Path) -> Dict[str, Any]:
             res["sequence"] = pool_sequence(run, recipe, runner, args.steps)
         except Exception as exc:  # recorded and shown: a failure here is a finding, not a crash of the check
             res["sequence"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    methods = list(recipe.unit.methods) if recipe is not None else []
+    methods = list(recipe.unit.methods) if recipe is not None else list(run.read_io_spec().get("methods", {}))
     wanted = methods if "all" in args.latency else args.latency
     res["latency"] = []
     for method in wanted:
@@ -235,6 +349,14 @@ def check_run(run_dir: Path, args, runner: Path, work: Path) -> Dict[str, Any]:
             res["latency"].append(latency(run, recipe, method, runner, work, args.warmup, args.iters))
         except Exception as exc:
             res["latency_error"] = f"{method}: {type(exc).__name__}: {exc}"
+    if args.policy_check and has_programs:
+        res["policy_check"] = executorch_policy_check(run, recipe, res.get("verification"), say)
+    if args.memory:
+        say("GPU memory with every method loaded, weights shared and not")
+        try:
+            res["memory"] = load_memory(run, runner, list(run.read_io_spec().get("methods", {})))
+        except Exception as exc:
+            res["memory_error"] = f"{type(exc).__name__}: {exc}"
     res["passed"] = result_passed(res)
     return res
 
@@ -249,6 +371,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--no-verify", action="store_true", help="no verification (a run folder without its programs)")
     p.add_argument("--steps", type=int, default=3, help="calls in the LingBot-VA KV pool sequence (0: none)")
     p.add_argument("--latency", nargs="*", default=[], metavar="METHOD", help="methods to time (all: every one)")
+    p.add_argument("--policy-check", action="store_true",
+                   help="zoo's policy check with the runner on backend=executorch against LeRobot (needs lerobot)")
+    p.add_argument("--memory", action="store_true",
+                   help="GPU memory with every method loaded, weights shared across methods and not")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--work", type=Path, default=None, help="temporary files (default: the system's temp folder)")
@@ -257,7 +383,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("[gpu_runtime_check] needs a CUDA device", file=sys.stderr)
         return 2
     if 0 < args.steps < 3:
-        p.error("--steps must be 0 or at least 3 (video_step, action_step, video_step: the pool handed on twice)")
+        p.error("--steps must be 0 or at least 3 (the issue asks for at least 3 calls)")
     try:
         runner = et_runtime.find_runner(args.runner)
         info = et_runtime.runner_info(runner)
@@ -265,6 +391,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[gpu_runtime_check] {exc}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    os.environ[et_runtime.RUNNER_ENV] = str(runner)  # zoo.runner's executorch backend (--policy-check) finds it here
     report: Dict[str, Any] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                               "runner": et_runtime.describe(info), "runner_info": info, "results": []}
     work = Path(tempfile.mkdtemp(prefix="zoo-runtime-check-", dir=args.work))

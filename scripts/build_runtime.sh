@@ -15,6 +15,9 @@
 # Builds only the target zoo_runner needs (runtime core, Module/FlatTensor extensions, portable kernels and, with
 # CUDA, the CUDA backend and its shim library), in Release with ExecuTorch's logging compiled in.
 # A second call with the same source, flags and tools reuses OUT_DIR (configure skipped, ninja finds nothing to do).
+# Patches: runtime/patches/executorch-<MAJOR.MINOR>-*.patch are applied to a source of that release (a tarball as
+#   it is unpacked, a tree to a copy under OUT_DIR/src) and named in the stamp and in `zoo_runner --info`; for 1.2 the
+#   one patch backports 1.4's weight_sharing_across_methods (the file says why). ZOO_RUNTIME_PATCHES=none skips them.
 # --cpu (or ZOO_RUNTIME_CUDA=OFF): without the CUDA backend, the portable runtime only (for a CPU machine).
 # Environment: ZOO_RUNTIME_CUDA (ON/OFF, default ON), PYTHON (the Python whose torch the CUDA backend's configure
 #   finds, default python3), CMAKE (default cmake), JOBS (default nproc), ZOO_CMAKE_ARGS (extra CMake arguments,
@@ -56,6 +59,23 @@ case "$CUDA" in ON|on|1|true) CUDA=ON ;; OFF|off|0|false) CUDA=OFF ;; *) echo "Z
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 RUNNER_SRC="$REPO/runtime/cpp"
+PATCH_DIR="$REPO/runtime/patches"
+# The patches for an ExecuTorch version ("1.2.0a0" -> executorch-1.2-*.patch), one path per line, sorted.
+patches_for() {
+  local release; release="$(echo "$1" | grep -o '^[0-9]*\.[0-9]*')"
+  [ "${ZOO_RUNTIME_PATCHES:-}" = none ] && return 0
+  ls "$PATCH_DIR"/executorch-"$release"-*.patch 2>/dev/null | LC_ALL=C sort || true
+}
+# Applies the patches to the tree $1 (checked first, so a patch that does not apply changes nothing).
+apply_patches() {
+  local tree="$1"; shift
+  local p
+  for p in "$@"; do
+    patch -p1 -d "$tree" --dry-run -s < "$p" >/dev/null || { echo "[build_runtime] $p does not apply to $tree" >&2; return 1; }
+    patch -p1 -d "$tree" -s < "$p"
+    echo "[build_runtime] applied $(basename "$p")" >&2
+  done
+}
 PY="${PYTHON:-python3}"
 CMAKE="${CMAKE:-cmake}"
 command -v "$PY" >/dev/null || { echo "[build_runtime] no $PY: set PYTHON to a Python with torch installed" >&2; exit 2; }
@@ -79,15 +99,21 @@ echo "running: pid $$ since $(date -u +%FT%TZ); log $LOG" > "$STATUS"
 trap 'rc=$?; [ $rc -eq 0 ] || echo "failed: exit $rc after $(elapsed "$start_all") s; log $LOG" > "$STATUS"' EXIT
 
 # --- the source tree -------------------------------------------------------------------------------------------------
+# PATCH_HASH: the patches' names and contents, part of the source's identity (a changed patch unpacks again).
+patch_hash() { [ $# -eq 0 ] && echo none || cat "$@" | sha256sum | cut -d' ' -f1; }
 if [ -f "$SRC" ]; then
   SRC_HASH="sha256:$(sha256sum "$SRC" | cut -d' ' -f1)"
   ET_DIR="$OUT/src/executorch"
+  version="$(tar -xOf "$SRC" executorch/version.txt 2>/dev/null | tr -d '[:space:]' || true)"
+  mapfile -t PATCHES < <(patches_for "$version")
+  SRC_HASH="$SRC_HASH patches:$(patch_hash "${PATCHES[@]}")"
   if [ "$(cat "$OUT/src/.source-hash" 2>/dev/null || true)" != "$SRC_HASH" ]; then
     echo "[build_runtime] unpacking $SRC" >&2
-    rm -rf "$OUT/src" "$BUILD"
+    rm -rf "$OUT/src" "$OUT/src.tmp" "$BUILD"
     mkdir -p "$OUT/src.tmp"
     tar -xf "$SRC" -C "$OUT/src.tmp"
     [ -f "$OUT/src.tmp/executorch/CMakeLists.txt" ] || { echo "[build_runtime] $SRC does not extract to executorch/" >&2; rm -rf "$OUT/src.tmp"; exit 2; }
+    apply_patches "$OUT/src.tmp/executorch" "${PATCHES[@]}" || { rm -rf "$OUT/src.tmp"; exit 2; }
     echo "$SRC_HASH" > "$OUT/src.tmp/.source-hash"
     mv "$OUT/src.tmp" "$OUT/src"
   fi
@@ -96,8 +122,22 @@ elif [ -f "$SRC/CMakeLists.txt" ] && [ -f "$SRC/version.txt" ]; then
   # Content of every file but .git: a tree changed in place is rebuilt from scratch.
   SRC_HASH="tree-sha256:$(cd "$SRC" && find . -path ./.git -prune -o -type f -print0 | LC_ALL=C sort -z \
     | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)"
+  mapfile -t PATCHES < <(patches_for "$(tr -d '[:space:]' < "$SRC/version.txt")")
+  if [ ${#PATCHES[@]} -gt 0 ]; then
+    # Patched in a copy: the tree given is never changed.
+    SRC_HASH="$SRC_HASH patches:$(patch_hash "${PATCHES[@]}")"
+    ET_DIR="$OUT/src/executorch"
+    if [ "$(cat "$OUT/src/.source-hash" 2>/dev/null || true)" != "$SRC_HASH" ]; then
+      echo "[build_runtime] copying $SRC to patch it" >&2
+      rm -rf "$OUT/src" "$OUT/src.tmp" "$BUILD"
+      mkdir -p "$OUT/src.tmp/executorch"
+      (cd "$SRC" && tar -cf - --exclude=./.git .) | tar -xf - -C "$OUT/src.tmp/executorch"
+      apply_patches "$OUT/src.tmp/executorch" "${PATCHES[@]}" || { rm -rf "$OUT/src.tmp"; exit 2; }
+      echo "$SRC_HASH" > "$OUT/src.tmp/.source-hash"
+      mv "$OUT/src.tmp" "$OUT/src"
+    fi
   # ExecuTorch's sources include each other as <executorch/...>: the tree must be reachable under that name.
-  if [ "$(basename "$SRC")" = executorch ]; then
+  elif [ "$(basename "$SRC")" = executorch ]; then
     ET_DIR="$SRC"
   else
     mkdir -p "$OUT/src"; ln -sfn "$SRC" "$OUT/src/executorch"; ET_DIR="$OUT/src/executorch"
@@ -164,8 +204,9 @@ if [ "$CUDA" = ON ] && [ "$TORCH_VERSION" = none ]; then
   echo "[build_runtime] $PY cannot import torch; ExecuTorch's CUDA backend configure needs it (set PYTHON)" >&2
   exit 2
 fi
+PATCH_NAMES="$(for p in "${PATCHES[@]}"; do basename "$p" .patch; done | paste -sd, -)"
 CMAKE_FLAGS=(-G Ninja -DCMAKE_BUILD_TYPE=Release "-DEXECUTORCH_SOURCE_DIR=$ET_DIR" "-DZOO_RUNTIME_CUDA=$CUDA"
-             "-DPYTHON_EXECUTABLE=$PY")
+             "-DPYTHON_EXECUTABLE=$PY" "-DZOO_RUNTIME_PATCHES=$PATCH_NAMES")
 [ -n "$CUDA_ROOT" ] && CMAKE_FLAGS+=("-DCUDAToolkit_ROOT=$CUDA_ROOT" "-DCUDA_TOOLKIT_ROOT_DIR=$CUDA_ROOT"
                                      "-DCMAKE_CUDA_COMPILER=$CUDA_ROOT/bin/nvcc")
 # shellcheck disable=SC2206
@@ -214,13 +255,13 @@ if [ "$reused" = false ]; then
   KEY="$KEY" SRC="$SRC" SRC_HASH="$SRC_HASH" ET_VERSION="$ET_VERSION" CUDA="$CUDA" FLAGS="${CMAKE_FLAGS[*]}" \
   JOBS="$JOBS" CMAKE_VERSION="$CMAKE_VERSION" CXX_VERSION="$CXX_VERSION" NVCC_VERSION="$NVCC_VERSION" \
   TORCH_VERSION="$TORCH_VERSION" ARCHS="${TORCH_CUDA_ARCH_LIST:-}" CONFIGURE_S="$configure_s" BUILD_S="$build_s" TOTAL_S="$total_s" \
-  STEPS="${steps:-0}" RUNNER="$BUILD/zoo_runner" INFO="$INFO" "$PY" - "$STAMP" <<'EOF'
+  STEPS="${steps:-0}" RUNNER="$BUILD/zoo_runner" INFO="$INFO" PATCH_NAMES="$PATCH_NAMES" "$PY" - "$STAMP" <<'EOF'
 import json, os, sys
 e = os.environ
 stamp = {"key": e["KEY"], "source": e["SRC"], "source_hash": e["SRC_HASH"], "executorch_version": e["ET_VERSION"],
          "cuda": e["CUDA"] == "ON", "cmake_flags": e["FLAGS"].split(" "), "jobs": int(e["JOBS"]),
          "cmake": e["CMAKE_VERSION"], "cxx": e["CXX_VERSION"], "nvcc": e["NVCC_VERSION"], "torch": e["TORCH_VERSION"],
-         "torch_cuda_arch_list": e["ARCHS"],
+         "torch_cuda_arch_list": e["ARCHS"], "patches": [p for p in e["PATCH_NAMES"].split(",") if p],
          "configure_seconds": float(e["CONFIGURE_S"]), "build_seconds": float(e["BUILD_S"]),
          "seconds": float(e["TOTAL_S"]), "ninja_steps": int(e["STEPS"]), "runner": e["RUNNER"],
          "runner_info": json.loads(e["INFO"])}

@@ -112,6 +112,34 @@ def test_delegate_io_order_is_recorded_beside_the_so(lowered):
     assert lowered["result"].methods["pool"].mutable_buffers == {"pool": 256}
 
 
+def _planned_io(pte: Path):
+    """Per method, whether each graph input and output has planned memory, read with executorch's own
+    deserializer (the flatbuffer's allocation_info)."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    program = deserialize_pte_binary(pte.read_bytes()).program
+    return {plan.name: ([plan.values[i].val.allocation_info is not None for i in plan.inputs],
+                        [plan.values[i].val.allocation_info is not None for i in plan.outputs])
+            for plan in program.execution_plan}
+
+
+def test_graph_inputs_and_outputs_get_no_planned_memory(lowered, tmp_path):
+    # A GPU pointer can only be bound to an input the method does not plan (Method::set_input memcpy's into a
+    # planned one), and the CUDA backend's outputs can only stay on the GPU in unplanned outputs.
+    out = lowered["out"]
+    assert _planned_io(out / "model.pte") == {"permuted": ([False] * 3, [False]), "pool": ([False] * 2, [False])}
+    need = json.loads((out / "runtime.json").read_text())
+    assert need["device_io"] is True and need["release"] == "1.2" and need["lowered_with"].startswith("1.2.")
+    assert need["memory_planned"]["permuted"] == {"inputs": [False] * 3, "outputs": [False]}
+    assert lowered["result"].runtime == need and "state stays on the GPU" in lowered["result"].table()
+    # ExecuTorch's default, on the same program: every input and output planned (what the check tells apart)
+    from executorch.exir import to_edge
+
+    default = tmp_path / "default.pte"
+    default.write_bytes(to_edge({"permuted": programs()["permuted"]}).to_executorch().buffer)
+    assert _planned_io(default) == {"permuted": ([True] * 3, [True])}
+
+
 def test_lowering_leaves_the_given_programs_alone(lowered):
     assert {name: str(ep.graph) for name, ep in lowered["programs"].items()} == lowered["before"]
 

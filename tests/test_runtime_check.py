@@ -61,6 +61,14 @@ def test_the_sequence_and_latency_decide_too(check):
     assert check.result_passed({"verification": verification, "sequence": {"skipped": "not io"}})
     slow = {"executorch": {"ok": False}, "aoti": {"ok": True}}
     assert not check.result_passed({"latency": [slow]})
+    failed_mode = {"executorch_device": {"ok": True}, "executorch_state": {"ok": False}, "aoti_state": {"ok": True}}
+    assert not check.result_passed({"latency": [failed_mode]})
+    assert check.result_passed({"latency": [{**failed_mode, "executorch_state": {"ok": True}}]})
+    memory = {"methods": ["a"], "shared": {"ok": True}, "own_copy": {"ok": False}}
+    assert not check.result_passed({"memory": memory})
+    assert check.result_passed({"memory": {**memory, "own_copy": {"ok": True}}})
+    assert not check.result_passed({"policy_check": {"ok": False, "error": "x"}})
+    assert check.result_passed({"policy_check": {"skipped": "no lerobot"}})
 
 
 # --- the LingBot-VA KV pool sequence, on the fake runner ---------------------------------------------------------------
@@ -129,3 +137,52 @@ def test_pool_sequence_feeds_the_pool_from_call_to_call(check, pool_run, fake_zo
     if passed:  # the runner's pools are the hand-worked chain: each call's pool went into the next call
         for got, want in zip(seen[0].outputs, _hand_chain(run_dir, 3)):
             assert torch.equal(got[1], want)
+        # ... held by the runner from call to call: never copied to the host, never copied to outlive a call
+        assert out["state"] == {"host_copies": 0, "rescued": 0, "kept_on_gpu": True}
+
+
+@pytest.mark.parametrize("planned_in_runtime_json, passed", [(True, True), (False, False)])
+def test_pool_sequence_judges_what_crosses_to_the_host(check, pool_run, fake_zoo_runner, monkeypatch, tmp_path,
+                                                       planned_in_runtime_json, passed):
+    """An artifact whose graph inputs are planned (lowered before zoo left them out) hands the pool over through
+    the host, as its runtime.json says: counted, and fine. The same crossing where runtime.json says the inputs
+    are not planned is a runtime doing what it should not: the check fails."""
+    import shutil
+
+    from zoo.contract.run_folder import RunFolder
+    from zoo.contract.releases import lowering_requirement
+
+    run_dir, recipe = pool_run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    planned = {m: {"inputs": [planned_in_runtime_json] * 3, "outputs": [False, False]} for m in SCALES}
+    RunFolder(copy).write_runtime_requirement(lowering_requirement("1.2.0", planned).as_dict())
+    monkeypatch.setenv("FAKE_ZOO_RUNNER_MODE", "planned")
+    out = check.pool_sequence(RunFolder(copy), recipe, fake_zoo_runner, 3, device="cpu")
+    assert all(r["ok"] for r in out["rows"])  # the numbers are right either way
+    assert out["state"]["host_copies"] == 2 and out["state"]["rescued"] == 0  # calls 1 and 2 bind a held pool
+    assert out["passed"] is passed
+
+
+def test_the_latency_state_is_the_familys_device_state(check, tmp_path):
+    """What gpu_runtime_check keeps on the GPU in its "state" mode, for a LingBot-VA-shaped run folder, worked by
+    hand from the method signatures: the pool in and out of the DiT steps, the caches in and out of the VAE."""
+    from zoo.contract.run_folder import RunFolder
+
+    script = check
+    run = RunFolder(tmp_path)
+    run.write_host_settings({"policy_type": "lingbot_va", "vae": {"first_method": "vae_encode_first",
+                                                                  "step_method": "vae_encode", "cache": ["c0", "c1"]}})
+    named = lambda *names: [{"name": n} for n in names]  # noqa: E731
+    run.write_io_spec({"methods": {
+        "video_step": {"inputs": named("noisy_latents", "timesteps", "k_pool", "v_pool"),
+                       "outputs": ["noise_pred", "k_pool_next", "v_pool_next"]},
+        "vae_encode_first": {"inputs": named("frames"), "outputs": ["latent", "c0", "c1"]},
+        "vae_encode": {"inputs": named("frames", "c0", "c1"), "outputs": ["latent", "c0", "c1"]}}})
+    assert script.state_positions(run, "video_step") == {"inputs": [2, 3], "outputs": [1, 2]}
+    assert script.state_positions(run, "vae_encode_first") == {"inputs": [], "outputs": [1, 2]}
+    assert script.state_positions(run, "vae_encode") == {"inputs": [1, 2], "outputs": [1, 2]}
+    state = script.state_positions(run, "video_step")
+    assert script.io_positions("device", state, 4, 3) == ([0, 1, 2, 3], [0, 1, 2])
+    assert script.io_positions("state", state, 4, 3) == ([2, 3], [1, 2])
+    assert script.io_positions("host_io", state, 4, 3) == ([], [])

@@ -237,3 +237,18 @@ def test_act_without_its_prompt_names_the_prompt_command(run, tmp_path, capsys):
     assert main(["act", str(run[0]), "--observation", str(obs_file)]) == 2
     err = capsys.readouterr().err
     assert "no prompt embedding for task 'wave'" in err and "python -m zoo prompt" in err
+
+
+def test_the_state_the_host_loop_keeps_is_in_the_runs_signatures(run):
+    """What backend="executorch" keeps on the GPU: the prefill's video K/V, fed to action_step's inputs of the same
+    names (checked against the exported io_spec.json); a name the run does not have is refused."""
+    from zoo.runner.backends import check_state
+    from zoo.runner.fast_wam import FastWAMRunner
+
+    methods = RunFolder(run[0]).read_io_spec()["methods"]
+    state = FastWAMRunner.device_state(RunFolder(run[0]).read_host_settings())
+    check_state(state, methods)
+    assert state == {"prefill": {"video_k": "video_k", "video_v": "video_v"}}
+    assert {"video_k", "video_v"} <= {s["name"] for s in methods["action_step"]["inputs"]}
+    with pytest.raises(RunnerError, match="keeps output 'video_q' of 'prefill'"):
+        check_state({"prefill": {"video_q": "video_k"}}, methods)

@@ -128,3 +128,37 @@ def test_prompt_without_negative_is_refused_under_cfg(run, prompt_file, observat
     runner.load_prompt(prompt.save(tmp_path / "no-negative.safetensors"))
     with pytest.raises(RunnerError, match="negative"):
         runner.select_action(observations[0])
+
+
+def test_executorch_backend_keeps_the_kv_pool_and_vae_caches_in_the_runtime(run, prompt_file, observations, expected,
+                                                                           fake_zoo_runner, monkeypatch, tmp_path):
+    """The same policy check over backend="executorch" (the fake zoo_runner runs the exported programs): the
+    actions match LeRobot's, and the KV pool and the VAE caches never leave the runtime: no file of theirs is
+    written, and the runner copies none of them (``rescued``, ``host_copies``)."""
+    from zoo.runtimes import executorch as et_runtime
+    from zoo.contract.releases import lowering_requirement
+
+    lowered = tmp_path / "lowered"
+    shutil.copytree(run[0], lowered)
+    (lowered / "model.pte").write_bytes(b"stands in for the program; the fake runs exported.*.pt2")
+    io_spec = RunFolder(lowered).read_io_spec()["methods"]
+    planned = {m: {"inputs": [False] * len(io["inputs"]), "outputs": [False] * len(io["outputs"])}
+               for m, io in io_spec.items()}
+    RunFolder(lowered).write_runtime_requirement(lowering_requirement("1.2.0", planned).as_dict())
+    shapes = {name: tuple(spec["shape"]) for io in io_spec.values() for spec in io["inputs"]
+              for name in ("k_pool", "v_pool") if spec["name"] == name}
+    shapes.update({spec["name"]: tuple(spec["shape"]) for spec in io_spec["vae_encode"]["inputs"][1:]})
+    written = []
+    original = et_runtime.write_tensor
+    monkeypatch.setattr(et_runtime, "write_tensor", lambda path, t: written.append(tuple(t.shape)) or original(path, t))
+    runner = load(lowered, backend="executorch", device="cpu", et_runner=fake_zoo_runner)
+    try:
+        runner.load_prompt(prompt_file)
+        result = compare_episode(runner, expected, observations, seed=0)
+        stats = dict(runner.backend.session.stats)
+    finally:
+        runner.close()
+    assert [(r.chunk, r.steps) for r in result.rows] == [(1, 12), (2, 16), (3, 16), (4, 1)], result.table()
+    assert result.ok, result.table()
+    assert stats["calls"] > 20 and stats["rescued"] == 0 and stats["host_copies"] == 0
+    assert written and not set(shapes.values()) & set(written), (shapes, sorted(set(written)))

@@ -5,7 +5,7 @@
         needs lerobot: a workstation, not the robot). Written as a safetensors prompt file the runner loads;
         by default into RUN_DIR/prompts/, where ``zoo.runner.load`` finds it by itself.
 
-    python -m zoo act RUN_DIR --observation FILE [--prompt FILE ...] [--backend eager|artifact] [--device DEV]
+    python -m zoo act RUN_DIR --observation FILE [--prompt FILE ...] [--backend eager|artifact|executorch] [--device DEV]
         One action chunk (``runner.predict_action_chunk``) for one observation, printed in robot units.
         The observation file is safetensors: LeRobot's batch keys, the task text in its metadata
         (zoo/runner/observations.py); ``--example-observation OUT`` writes a seeded one to start from.
@@ -118,7 +118,8 @@ def act_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=[],
                    help="prompt file from `python -m zoo prompt` (repeatable; RUN_DIR/prompts/ is loaded anyway)")
     p.add_argument("--backend", choices=BACKENDS, default="eager",
-                   help="eager: the rewritten programs (CPU or GPU); artifact: the shipped .so files (GPU)")
+                   help="eager: the rewritten programs (CPU or GPU); artifact: the shipped .so files (GPU); "
+                        "executorch: model.pte on ExecuTorch's C++ runtime ($ZOO_ET_RUNNER)")
     p.add_argument("--device", default=None, help="default: cpu for eager, cuda for artifact")
     p.add_argument("--json", action="store_true", help="print the chunk as JSON ([steps][action dims])")
     p.add_argument("--example-observation", metavar="OUT", default=None,

@@ -106,6 +106,25 @@ def read_pte(pte_path: Path) -> Tuple[Dict[str, PteMethod], Dict[str, bytes]]:
     return methods, named
 
 
+def planned_io(program: Any) -> Dict[str, Dict[str, List[bool]]]:
+    """Per method of an ExecuTorch ``Program`` (``executorch.exir.schema``), which graph inputs and outputs live in
+    the method's planned memory (``allocation_info``): a planned input is copied into that host memory by
+    ``Method::set_input``, so it cannot take a GPU pointer; a non-tensor input or output counts as not planned."""
+
+    def planned(plan: Any, index: int) -> bool:
+        val = getattr(plan.values[index], "val", None)
+        return getattr(val, "allocation_info", None) is not None
+
+    return {plan.name: {"inputs": [planned(plan, i) for i in plan.inputs],
+                        "outputs": [planned(plan, i) for i in plan.outputs]}
+            for plan in program.execution_plan}
+
+
+def io_memory_planning(pte_path: Path) -> Dict[str, Dict[str, List[bool]]]:
+    """``planned_io`` of a written ``.pte``."""
+    return planned_io(read_pte_file(pte_path).program)
+
+
 @dataclass
 class DataEntry:
     """One named entry of a ``.ptd``: where its bytes lie (file, absolute offset, size) and its tensor layout."""

@@ -6,18 +6,26 @@
 - The fallback allow-list: the ATen fallback kernels the installed executorch's ``CudaBackend`` lets a
   compiled method call (its compile refuses any other, but only after the whole compile).
 - The compile specs zoo gives ``CudaPartitioner`` for each method.
+- ``RuntimeRequirement``: the runtime release a lowered artifact needs (``runtime.json`` in the run folder), and
+  the check of a zoo_runner build against it.
+
+Why an artifact is tied to one runtime release line: zoo lowers with its graph inputs and outputs left out of
+memory planning, so that state one call hands to the next can stay on the GPU; keeping outputs there is ExecuTorch
+1.2's ``skip_copy_output_to_cpu_for_method`` backend option, which 1.4 turned into a no-op (its replacement is an
+export-time setting, ``propagate_device_config``). A runtime of another release would copy into output memory the
+artifact never planned.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Set
+from typing import Any, Dict, List, Mapping, Optional, Set
 
-from zoo.core.errors import LoweringError
+from zoo.core.errors import LoweringError, RuntimeMismatch, ZooError
 
-RUNTIMES_JSON = Path(__file__).resolve().parents[1] / "data" / "runtimes.json"
+RUNTIMES_JSON = Path(__file__).resolve().parent / "data" / "runtimes.json"
 
 
 @dataclass
@@ -69,3 +77,101 @@ def compile_specs(method: str, triton_kernel_mode: str) -> list:
 
     return [CudaBackend.generate_method_name_compile_spec(method),
             CompileSpec("triton_kernel_mode", triton_kernel_mode.encode("utf-8"))]
+
+
+# --- what an artifact needs from the runtime that runs it ------------------------------------------------------------
+
+BUILD_COMMAND = "scripts/build_runtime.sh executorch-v{version}-src.tar.xz build/runtime"
+
+
+def release_of(version: str) -> str:
+    """``1.2.0`` and ``1.2.0a0`` -> ``1.2``: the release line runtimes.json and runtime.json name."""
+    return ".".join(str(version).strip().split(".")[:2])
+
+
+@dataclass
+class RuntimeRequirement:
+    """``runtime.json``: the ExecuTorch runtime release a lowered artifact needs, and how its graph I/O is planned
+    (per method, which inputs and outputs live in the method's planned host memory)."""
+
+    release: str  # "1.2"
+    lowered_with: str  # the executorch package that lowered it, "1.2.0"
+    memory_planned: Dict[str, Dict[str, List[bool]]] = field(default_factory=dict)
+    inferred: bool = False  # a run lowered before zoo wrote runtime.json: read from its report and model.pte
+
+    @property
+    def device_io(self) -> bool:
+        """No method plans a graph input or output: any input may be a GPU pointer and outputs can stay there."""
+        return not any(any(p["inputs"]) or any(p["outputs"]) for p in self.memory_planned.values())
+
+    def planned_inputs(self, method: str) -> List[bool]:
+        return list(self.memory_planned.get(method, {}).get("inputs", []))
+
+    def as_dict(self) -> Dict[str, Any]:
+        record = asdict(self)
+        record["device_io"] = self.device_io
+        return record
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], where: str = "runtime.json") -> "RuntimeRequirement":
+        try:
+            planned = {str(m): {"inputs": [bool(x) for x in p["inputs"]], "outputs": [bool(x) for x in p["outputs"]]}
+                       for m, p in dict(data.get("memory_planned") or {}).items()}
+            return cls(release=str(data["release"]), lowered_with=str(data["lowered_with"]), memory_planned=planned,
+                       inferred=bool(data.get("inferred", False)))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ZooError(f"{where} is not a runtime requirement ({type(exc).__name__}: {exc})",
+                           "lower the run again (`python -m zoo.lower RUN_DIR`) to rewrite it") from None
+
+    def describe(self) -> str:
+        io = ("graph inputs and outputs are not memory-planned: state stays on the GPU between calls"
+              if self.device_io else "some graph inputs or outputs are memory-planned: state handed from call to "
+              "call crosses to the host")
+        return f"ExecuTorch runtime {self.release} (lowered with executorch {self.lowered_with}); {io}"
+
+    def check(self, runner_info: Mapping[str, Any], runner: Any = "zoo_runner") -> None:
+        """Refuse a zoo_runner build of another release than the artifact's (its ``--info``)."""
+        version = str(runner_info.get("executorch_version") or "unknown")
+        if release_of(version) == self.release:
+            return
+        why = ("; its graph I/O is left out of memory planning and its state kept on the GPU through that release's "
+               "CUDA backend") if self.device_io else ""
+        raise RuntimeMismatch(
+            f"the artifact needs ExecuTorch's runtime {self.release} (lowered with executorch {self.lowered_with}"
+            f"{why}); {runner} is ExecuTorch {version}",
+            f"build zoo_runner from ExecuTorch {self.release}'s source: "
+            f"{BUILD_COMMAND.format(version=self.lowered_with)} (docs/runtime.md), or lower the run again with the "
+            "executorch release of the runtime you have")
+
+
+def lowering_requirement(executorch_version: str, memory_planned: Mapping[str, Mapping[str, List[bool]]]
+                         ) -> RuntimeRequirement:
+    """What a lowering by ``executorch_version`` that planned the methods' I/O as given needs at runtime."""
+    return RuntimeRequirement(release=release_of(executorch_version), lowered_with=executorch_version.split("+")[0],
+                              memory_planned={m: {"inputs": list(p["inputs"]), "outputs": list(p["outputs"])}
+                                              for m, p in memory_planned.items()})
+
+
+def requirement_for(run: Any, read_planned: Optional[Any] = None) -> RuntimeRequirement:
+    """The run folder's ``runtime.json``; for a run lowered before zoo wrote it, inferred from its report (the
+    executorch that lowered it, else the recipe's target runtime) and ``read_planned(pte)`` (zoo.contract.artifact's
+    ``io_memory_planning``) over its model.pte."""
+    data = run.read_runtime_requirement()
+    if data is not None:
+        return RuntimeRequirement.from_dict(data, str(run.runtime_file))
+    version = None
+    if run.report_json.is_file():
+        lowering = run.read_report().data.get("lowering") or {}
+        version = (lowering.get("options") or {}).get("executorch")
+    if not version or version == "unknown":
+        recipe = run.recipe_dict() or {}
+        version = str((recipe.get("lowering") or {}).get("runtime") or "1.2") + ".0"
+    planned: Dict[str, Any] = {}
+    if read_planned is not None and run.pte.is_file():
+        try:
+            planned = read_planned(run.pte)
+        except ZooError:  # not a program this executorch reads: the runtime will say more when it loads it
+            planned = {}
+    requirement = lowering_requirement(version, planned)
+    requirement.inferred = True
+    return requirement

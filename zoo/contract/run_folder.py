@@ -17,6 +17,7 @@ through ``RunFolder``:
     model.pte, aoti_cuda_blob.ptd   the lowered artifact (written atomically, .pte last)
     so/<m>.so, so/<m>.weights.blob  each method's compiled code and weights, taken out of the artifact
     so/<m>.io.json         the order in which the method's .so takes its inputs and returns its outputs
+    runtime.json           the ExecuTorch runtime release the artifact needs, and how its graph I/O is planned
     report.json, report.md the run report
     export.log, lower.log  what the command printed, dependency warnings included (zoo.core.progress.run_log)
     manifest.json          written once verification passed: hashes and provenance
@@ -66,6 +67,7 @@ PROMPT_SUFFIX = ".safetensors"
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 MANIFEST_JSON = "manifest.json"
+RUNTIME_JSON = "runtime.json"
 PUBLISH_DIR = "publish"
 SO_DIR = "so"
 ATTEMPTS_DIR = "attempts"
@@ -77,7 +79,7 @@ PROGRAM_KINDS = ("exported", "reference_fp32", "rewritten")
 # What a failed run keeps: the report saying why, the recipe to reproduce it, and what the command printed.
 KEPT_ON_FAILURE = (REPORT_JSON, REPORT_MD, RECIPE_YAML) + tuple(f"{c}.log" for c in LOGGED_COMMANDS)
 # What is derived from a run's artifact: a new artifact makes them stale.
-ARTIFACT_OUTPUTS = (PTE_NAME, PTD_NAME, SO_DIR)
+ARTIFACT_OUTPUTS = (PTE_NAME, PTD_NAME, SO_DIR, RUNTIME_JSON)
 # A run whose report says one of these holds nothing good (an earlier zoo may have left "running").
 NOT_GOOD = ("failed", "interrupted", "running")
 # What is published from a finished run (besides processors/, copied whole, and each method's so/<m>.io.json):
@@ -191,6 +193,10 @@ class RunFolder:
         return self.path / PTD_NAME
 
     @property
+    def runtime_file(self) -> Path:
+        return self.path / RUNTIME_JSON
+
+    @property
     def so_dir(self) -> Path:
         return self.path / SO_DIR
 
@@ -285,6 +291,13 @@ class RunFolder:
 
     def read_io_spec(self) -> Dict[str, Any]:
         return self._read_json(self.io_spec_file)
+
+    def write_runtime_requirement(self, requirement: Dict[str, Any]) -> Path:
+        return atomic.write_json(self.runtime_file, requirement)
+
+    def read_runtime_requirement(self) -> Optional[Dict[str, Any]]:
+        """``runtime.json`` as written by lowering; None for a run lowered before zoo wrote it."""
+        return self._read_json(self.runtime_file) if self.runtime_file.is_file() else None
 
     def write_host_settings(self, settings: Dict[str, Any]) -> Path:
         return atomic.write_json(self.host_settings_file, settings)

@@ -95,6 +95,10 @@ class RuntimeNotBuilt(ZooError):
     """zoo_runner (ExecuTorch's C++ runtime with zoo's runner) is not built, or not built for the job."""
 
 
+class RuntimeMismatch(RuntimeNotBuilt):
+    """The zoo_runner found is another ExecuTorch release than the one the artifact was lowered for."""
+
+
 class RuntimeCallFailed(ZooError):
     """ExecuTorch's C++ runtime could not load the artifact or a call failed; its log says why."""
 

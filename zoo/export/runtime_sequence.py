@@ -1,26 +1,30 @@
 """Checks of an artifact across the two runtimes (torch's AOTI runner and ExecuTorch's C++ runtime), for
-``benchmarks/gpu_runtime_check.py`` on a GPU box.
+``scripts/gpu_runtime_check.py`` and the GPU box.
 
 - ``summary_rows``: a two-runtime verification (``zoo.export.verify`` rows, as report.json holds them) as one short
   table: per method, runtime, seed and size, the worst relative L2 and cosine over the outputs, and pass;
   ``result_passed``: one run folder's checks (verification, sequence, latency) together.
 - ``pool_sequence``: LingBot-VA's "io" KV-pool layout over a sequence of calls in ONE zoo_runner process, each
-  call's ``X_next`` outputs fed to the next call's ``X`` inputs inside the runner, against the exported programs
-  run eagerly with the same feeding.
+  call's ``X_next`` outputs fed to the next call's ``X`` inputs inside the runner (held there, on the GPU), against
+  the exported programs run eagerly with the same feeding; it also checks that the pool never crossed to the
+  host on its way (no input copied to the host for planned memory, no named value copied to survive a call).
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
 from zoo.runtimes import executorch as et_runtime
 from zoo.export import verify
+from zoo.contract.artifact import io_memory_planning
 from zoo.policies.base import InputSpec
 from zoo.contract.run_folder import RunFolder
+from zoo.runner.loading import RUNNERS
+from zoo.contract.releases import requirement_for
 
 # LingBot-VA's two DiT methods, which read and write the one KV pool (the "io" layout hands it over via the host)
 POOL_METHODS = ("video_step", "action_step")
@@ -63,7 +67,12 @@ def result_passed(res: Dict[str, Any]) -> bool:
     seq = res.get("sequence")
     if seq is not None and "skipped" not in seq:
         ok = ok and seq.get("passed") is True
-    return ok and all(row[name].get("ok") for row in res.get("latency", []) for name in ("executorch", "aoti"))
+    check = res.get("policy_check")
+    ok = ok and (check is None or "skipped" in check or bool(check.get("ok")))
+    ok = ok and "memory_error" not in res and all(
+        res["memory"][label].get("ok") for label in ("shared", "own_copy") if "memory" in res)
+    return ok and all(value.get("ok") for row in res.get("latency", []) for key, value in row.items()
+                      if key.startswith(("executorch", "aoti")) and isinstance(value, dict))
 
 
 def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str = "cuda",
@@ -99,8 +108,9 @@ def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str 
         for i in stateful[m]:  # zero state to start with, as the host does (the pool is zero-initialised)
             inputs[i] = torch.zeros_like(drawn[s][i]) if s == 0 else (s - 1, source(s, i))
         plan.append((m, inputs))
+    requirement = requirement_for(run, io_memory_planning)
     result = et_runtime.run_plan(run.pte, run.ptd if run.ptd.exists() else None, plan, executable=runner,
-                                 require_cuda=require_cuda)
+                                 require_cuda=require_cuda, requirement=requirement)
 
     def eager_chain(kind: str, cast) -> List[List[torch.Tensor]]:
         modules = {m: verify._eager_module(run.program(kind, m), device) for m in methods}
@@ -123,6 +133,39 @@ def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str 
         for c, bound, facts in judged:
             rows.append({"step": s, "method": m, "output": c.name, "rel_l2": c.rel_l2, "cosine": c.cosine,
                          "max_abs": c.max_abs, "tolerance": bound, "ok": c.ok, "why": c.why})
-    return {"recipe": recipe.name, "steps": order, "step_ms": result.step_ms, "rows": rows,
-            "passed": bool(rows) and all(r["ok"] for r in rows), "load_ms": result.summary.get("load_ms"),
-            "gpu_loaded_mib": result.summary.get("gpu_loaded_mib")}
+    # The pool is handed over inside the runner: on the GPU (where the backend left it), never copied to the host
+    # for planned input memory, never copied to outlive a call (zoo_runner's counts; docs/runtime.md).
+    on_gpu = all(reply["device"][k] for reply in result.replies for k in range(len(reply["device"]))
+                 if reply["outputs"][k] is None)
+    crossing = {"host_copies": int(result.summary.get("host_copies", 0)),
+                "rescued": int(result.summary.get("rescued", 0)), "kept_on_gpu": on_gpu}
+    state_ok = crossing["rescued"] == 0 and (crossing["host_copies"] == 0 or not requirement.device_io)
+    return {"recipe": recipe.name, "steps": order, "step_ms": result.step_ms, "rows": rows, "state": crossing,
+            "passed": bool(rows) and all(r["ok"] for r in rows) and state_ok,
+            "load_ms": result.summary.get("load_ms"), "gpu_loaded_mib": result.summary.get("gpu_loaded_mib")}
+
+
+def state_positions(run: RunFolder, method: str) -> Dict[str, List[int]]:
+    """The inputs and outputs of ``method`` that are state (the family's ``device_state``): an output kept for a
+    later call, an input fed from one (the input named as the slot it is kept under)."""
+    settings = run.read_host_settings() if run.host_settings_file.exists() else {}
+    family = RUNNERS.get(settings.get("policy_type"))
+    state = family.device_state(settings) if family else {}
+    io = run.read_io_spec()["methods"][method]
+    slots = {slot for outs in state.values() for slot in outs.values()}
+    return {"inputs": [i for i, spec in enumerate(io["inputs"]) if spec["name"] in slots],
+            "outputs": [k for k, name in enumerate(io["outputs"]) if name in state.get(method, {})]}
+
+
+# How a timed call gets its inputs and leaves its outputs (gpu_runtime_check's --latency): every input on the GPU and
+# every output left there; the state on the GPU, the rest through the host; everything through the host.
+IO_MODES = ("device", "state", "host_io")
+
+
+def io_positions(mode: str, state: Dict[str, List[int]], n_in: int, n_out: int) -> Tuple[List[int], List[int]]:
+    """The inputs on the GPU and the outputs kept there, in one of ``IO_MODES``."""
+    if mode == "device":
+        return list(range(n_in)), list(range(n_out))
+    if mode == "state":
+        return state["inputs"], state["outputs"]
+    return [], []

@@ -28,6 +28,7 @@ from zoo.core.environ import environ_restored
 from zoo.core.errors import RecipeError, RuntimeNotBuilt
 from zoo.runtimes.executorch import BUILD_HINT, RUNNER_ENV, RuntimeSession, describe, find_runner, runner_info
 from zoo.contract.recipes import VERIFY_RUNTIMES
+from zoo.contract.releases import RuntimeRequirement
 
 ALIASES = {"both": VERIFY_RUNTIMES}
 LABELS = {"aoti": "torch's AOTI runner", "executorch": "ExecuTorch runtime"}
@@ -87,16 +88,17 @@ def choose_runtimes(setting: Optional[Sequence[str]], executable: Optional[Union
 
 @contextlib.contextmanager
 def executorch_caller(pte: Path, ptd: Optional[Path], methods: Sequence[str], device: str, *,
-                      executable: Optional[Union[str, Path]] = None,
-                      require_cuda: bool = True) -> Iterator[Tuple[Dict[str, Any], Call]]:
+                      executable: Optional[Union[str, Path]] = None, require_cuda: bool = True,
+                      requirement: Optional[RuntimeRequirement] = None) -> Iterator[Tuple[Dict[str, Any], Call]]:
     """One loaded program in ExecuTorch's C++ runtime; yields (what loaded it, ``call``).
 
     The first is ``describe`` (one line naming the runtime build), ``executorch_version``, ``load_ms``,
     ``gpu_loaded_mib`` (GPU memory the loaded program took) and ``gpu``. ``call`` takes the inputs in the
     method's signature order (never the ``.so``'s: the runtime reorders) and returns the tensor outputs on
-    ``device``. Stateful methods keep their state across calls, as in verification's AOTI runners."""
+    ``device``. Stateful methods keep their state across calls, as in verification's AOTI runners. With
+    ``requirement`` (the run's ``runtime.json``), a runner of another release is refused (``RuntimeMismatch``)."""
     with RuntimeSession(pte, ptd if ptd is not None and Path(ptd).exists() else None, executable=executable,
-                        require_cuda=require_cuda, methods=methods) as session:
+                        require_cuda=require_cuda, methods=methods, requirement=requirement) as session:
 
         def call(method: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
             return [t.to(device) for t in session.call(method, inputs)]
@@ -111,7 +113,7 @@ def executorch_caller(pte: Path, ptd: Optional[Path], methods: Sequence[str], de
 
 
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--runtime`` and ``--et-runner`` for ``python -m zoo.export`` and ``python -m zoo lower``."""
+    """``--runtime`` and ``--et-runner`` for ``python -m zoo.export`` and ``python -m zoo.lower``."""
     parser.add_argument("--runtime", choices=VERIFY_RUNTIMES + ("both",), default=None,
                         help="verify on torch's AOTI runner, ExecuTorch's C++ runtime, or both (sets "
                              "verify.runtimes; default: both, the ExecuTorch runtime where a zoo_runner is found)")

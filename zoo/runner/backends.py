@@ -6,23 +6,41 @@ runners never see which one they drive:
   ``eager``     ``rewritten.<method>.pt2`` (what gets lowered) run by PyTorch, on the CPU or a GPU;
   ``artifact``  each method's ``.so`` and weights blob taken out of ``model.pte`` / ``aoti_cuda_blob.ptd`` as they
                 are on disk, run through torch's AOTI runner on the GPU in the ``.so``'s own input order, exactly
-                as verification runs them (zoo.export.verify).
+                as verification runs them (zoo.export.verify);
+  ``executorch`` ``model.pte`` + ``aoti_cuda_blob.ptd`` through ExecuTorch's own C++ runtime (one zoo_runner
+                process, zoo.runtimes.executorch). The state a family hands from call to call (``device_state``: LingBot-VA's
+                KV pool and VAE caches, Fast-WAM's video K/V) stays in the runtime, on the GPU: those outputs come
+                back as ``DeviceValue`` handles, which the family passes back in as inputs unchanged. The zoo_runner
+                must be of the release the artifact was lowered for (``runtime.json``; refused otherwise).
+
+A family declares its state as ``{method: {output: name}}``: the output is kept under ``name``, and the family
+feeds it back to the input of that name (``k_pool_next`` kept as ``k_pool``), which is what lets the runtime hand
+it over without a copy (zoo.runtimes.executorch).
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Dict, List, Sequence
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch.export.passes import move_to_device_pass
 from torch.utils import _pytree as pytree
 
-from zoo.runtimes.aoti import aoti_runner_factory, run_in_delegate_order, shipped_runners
+from zoo.runtimes.aoti import AotiRunner
+from zoo.contract.artifact import extract_method_files, io_memory_planning
 from zoo.core.errors import RunnerError
+from zoo.runtimes.executorch import DeviceValue, RuntimeSession
+from zoo.core.progress import warn
 from zoo.contract.run_folder import RunFolder
+from zoo.contract.releases import requirement_for
+from zoo.export.verify import run_in_delegate_order
 
-BACKENDS = ("eager", "artifact")
+BACKENDS = ("eager", "artifact", "executorch")
+# {method: {output name: the name it is kept and fed back under}}
+DeviceState = Dict[str, Dict[str, str]]
 
 
 class Backend:
@@ -38,6 +56,14 @@ class Backend:
     def methods(self) -> List[str]:
         return list(self.io_spec.get("methods", {}))
 
+    def keep_state(self, state: DeviceState) -> None:
+        """The outputs the family feeds back into later calls; a backend that can keeps them where they are."""
+        check_state(state, self.io_spec.get("methods", {}))
+
+    def zeros(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> Any:
+        """Zero-filled state to start with (a KV pool), under the name the family feeds it back as."""
+        return torch.zeros(list(shape), dtype=dtype, device=self.device)
+
     def method_io(self, method: str) -> Dict[str, Any]:
         methods = self.io_spec.get("methods", {})
         if method not in methods:
@@ -45,7 +71,7 @@ class Backend:
                               f"{', '.join(methods) or 'none'})", "export the recipe with that method in unit.methods")
         return methods[method]
 
-    def call(self, method: str, **inputs: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def _ordered(self, method: str, inputs: Dict[str, Any]) -> List[Any]:
         io = self.method_io(method)
         names = [spec["name"] for spec in io["inputs"]]
         missing = [n for n in names if n not in inputs]
@@ -53,7 +79,11 @@ class Backend:
         if missing or extra:
             raise RunnerError(f"method {method!r} takes {names}; missing {missing}, unexpected {extra}",
                               "this is a zoo.runner bug: the family runner and io_spec.json disagree")
-        args = [inputs[n].to(self.device) for n in names]
+        return [inputs[n] for n in names]
+
+    def call(self, method: str, **inputs: torch.Tensor) -> Dict[str, torch.Tensor]:
+        io = self.method_io(method)
+        args = [t.to(self.device) for t in self._ordered(method, inputs)]
         outs = self._run(method, args)
         if len(outs) != len(io["outputs"]):
             raise RunnerError(f"method {method!r} returned {len(outs)} outputs, io_spec.json names "
@@ -101,38 +131,111 @@ class ArtifactBackend(Backend):
     name = "artifact"
 
     def __init__(self, run: RunFolder, device: str, methods: Sequence[str]):
-        self._stack = contextlib.ExitStack()
+        self._dir: Optional[Path] = None
+        self._runners: Dict[str, AotiRunner] = {}
         if not str(device).startswith("cuda"):
             raise RunnerError(f"backend 'artifact' runs the compiled CUDA kernels; device {device!r} cannot",
                               "pass device='cuda' (on a machine with a GPU), or use backend='eager'")
         super().__init__(run, device)
         if not run.pte.is_file():
             raise RunnerError(f"{run.pte} is missing: the run was not lowered",
-                              "lower it on a GPU machine (`python -m zoo lower RUN_DIR`), or use backend='eager'")
+                              "lower it on a GPU machine (`python -m zoo.lower RUN_DIR`), or use backend='eager'")
         missing = [str(run.io_order_file(m)) for m in methods if not run.io_order_file(m).is_file()]
         if missing:
             raise RunnerError(f"{', '.join(missing)} missing: the compiled .so's input order is unknown",
-                              "lower the run (`python -m zoo lower RUN_DIR`) or download the whole published folder")
+                              "lower the run (`python -m zoo.lower RUN_DIR`) or download the whole published folder")
         self._orders = {m: run.io_order(m) for m in methods}
-        # The bytes that ship, taken out of model.pte / aoti_cuda_blob.ptd now (not copies left by lowering)
+        # The bytes that ship, taken out of model.pte / aoti_cuda_blob.ptd now (not copies left by lowering),
         # into a private temporary folder: a run may be a read-only Hub snapshot.
-        self._runners: Dict[str, Any] = self._stack.enter_context(shipped_runners(
-            run.pte, run.ptd, methods, aoti_runner_factory, str(self.device), error=RunnerError))
+        self._dir = Path(tempfile.mkdtemp(prefix="zoo-runner-so-"))
+        shipped = extract_method_files(run.pte, run.ptd if run.ptd.is_file() else None, self._dir)
+        for m in methods:
+            if m not in shipped:
+                raise RunnerError(f"{run.pte} holds no compiled .so for method {m!r}",
+                                  "lower the run again (`python -m zoo.lower RUN_DIR`)")
+            self._runners[m] = AotiRunner(shipped[m]["so"], shipped[m]["weights"], str(self.device))
 
     def _run(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
         return run_in_delegate_order(self._runners[method], self._orders[method], args)
 
     def close(self) -> None:
         self._runners = {}
-        self._stack.close()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
     def __del__(self):  # the extracted .so files are only a cache of model.pte's bytes
         self.close()
 
 
-def make_backend(name: str, run: RunFolder, device: str) -> Backend:
+def check_state(state: DeviceState, methods: Dict[str, Any]) -> None:
+    """Each kept output is an output of its method, and each name it is kept under is an input of some method
+    (the one it is fed back to); a method the run does not have is skipped (an optional method)."""
+    inputs = {spec["name"] for io in methods.values() for spec in io["inputs"]}
+    for method, outs in state.items():
+        if method not in methods:
+            continue
+        for output, name in outs.items():
+            if output not in methods[method]["outputs"] or name not in inputs:
+                raise RunnerError(f"the host loop keeps output {output!r} of {method!r} as {name!r}, but the run's "
+                                  f"io_spec.json has no such {'output' if name in inputs else 'input'}",
+                                  "this is a zoo.runner bug: the family's device_state and io_spec.json disagree")
+
+
+class ExecuTorchBackend(Backend):
+    """``model.pte`` + ``aoti_cuda_blob.ptd`` in ExecuTorch's own C++ runtime (one zoo_runner process, every method
+    loaded); the family's state kept there. ``device`` is where the host side computes (noise, schedulers)."""
+
+    name = "executorch"
+
+    def __init__(self, run: RunFolder, device: str, methods: Sequence[str], executable: Optional[str] = None,
+                 require_cuda: bool = True):
+        self.session: Optional[RuntimeSession] = None
+        super().__init__(run, device)
+        if not run.pte.is_file():
+            raise RunnerError(f"{run.pte} is missing: the run was not lowered",
+                              "lower it on a GPU machine (`python -m zoo.lower RUN_DIR`), or use backend='eager'")
+        self.requirement = requirement_for(run, io_memory_planning)
+        self.session = RuntimeSession(run.pte, run.ptd if run.ptd.is_file() else None, executable=executable,
+                                      methods=methods, require_cuda=require_cuda, requirement=self.requirement)
+        self.state: DeviceState = {}
+
+    def keep_state(self, state: DeviceState) -> None:
+        super().keep_state(state)
+        self.state = {m: dict(outs) for m, outs in state.items()}
+        if state and not self.requirement.device_io:
+            warn(f"the artifact in {self.run.path} plans its graph inputs in host memory (lowered before zoo left "
+                 "them out): the state it hands from call to call is copied to the host and back in every call; "
+                 "lower the run again to keep it on the GPU")
+
+    def zeros(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> DeviceValue:
+        return self.session.zeros(name, shape, dtype)
+
+    def call(self, method: str, **inputs: Any) -> Dict[str, Any]:
+        io = self.method_io(method)
+        outputs = list(io["outputs"])
+        kept = self.state.get(method, {})
+        keep = {k: kept[name] for k, name in enumerate(outputs) if name in kept}
+        outs = self.session.call(method, self._ordered(method, inputs), keep=keep)
+        if len(outs) != len(outputs):
+            raise RunnerError(f"method {method!r} returned {len(outs)} outputs, io_spec.json names {len(outputs)}",
+                              "export and lower the run again")
+        return {name: out if isinstance(out, DeviceValue) else out.to(self.device) for name, out in zip(outputs, outs)}
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+    def __del__(self):  # the runner process and its temporary folder
+        self.close()
+
+
+def make_backend(name: str, run: RunFolder, device: str, et_runner: Optional[str] = None) -> Backend:
     if name == "eager":
         return EagerBackend(run, device)
     if name == "artifact":
         return ArtifactBackend(run, device, list(run.read_io_spec().get("methods", {})))
+    if name == "executorch":
+        return ExecuTorchBackend(run, device, list(run.read_io_spec().get("methods", {})), executable=et_runner)
     raise RunnerError(f"unknown runner backend {name!r}", f"use one of: {', '.join(BACKENDS)}")

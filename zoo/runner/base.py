@@ -46,6 +46,7 @@ class PolicyRunner:
         self.prompts: Dict[str, PromptEmbedding] = {}
         for path in run.prompt_files():  # `python -m zoo prompt RUN_DIR "task"` without -o puts them here
             self.load_prompt(path)
+        backend.keep_state(self.device_state(self.settings))
         self._configure()
         self.reset()
 
@@ -113,6 +114,12 @@ class PolicyRunner:
         self.backend.close()
 
     # --- family hooks ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def device_state(cls, settings: Dict[str, Any]) -> Dict[str, Dict[str, str]]:
+        """The outputs this host loop feeds back into later calls, ``{method: {output: name}}``, each under the
+        name of the input it goes back to: a backend keeps them where the runtime left them (the GPU)."""
+        return {}
 
     @classmethod
     def episode_steps(cls, settings: Dict[str, Any], chunks: int) -> int:

@@ -25,6 +25,11 @@ class FastWAMRunner(PolicyRunner):
     family = "fast_wam"
 
     @classmethod
+    def device_state(cls, settings: Dict[str, Any]) -> Dict[str, Dict[str, str]]:
+        # The prefill's video K/V, read by every action step of the chunk.
+        return {"prefill": {"video_k": "video_k", "video_v": "video_v"}}
+
+    @classmethod
     def episode_steps(cls, settings: Dict[str, Any], chunks: int) -> int:
         return int(chunks) * int(settings["n_action_steps"]) + 1  # every chunk is n_action_steps long
 

@@ -34,6 +34,18 @@ class LingBotVARunner(PolicyRunner):
     family = "lingbot_va"
 
     @classmethod
+    def device_state(cls, settings: Dict[str, Any]) -> Dict[str, Dict[str, str]]:
+        # The KV pool goes from every DiT call to the next (k_pool_next -> k_pool), the causal caches from every
+        # VAE call to the next (each cache output has its input's name).
+        pool = {"k_pool_next": "k_pool", "v_pool_next": "v_pool"}
+        state = {"video_step": dict(pool), "action_step": dict(pool)}
+        vae = settings.get("vae")
+        if vae:
+            caches = {name: name for name in vae["cache"]}
+            state.update({vae["first_method"]: dict(caches), vae["step_method"]: dict(caches)})
+        return state
+
+    @classmethod
     def episode_steps(cls, settings: Dict[str, Any], chunks: int) -> int:
         # The first chunk drops its conditioning frame's actions ((F - 1) x apf), later ones are F x apf long.
         frames, apf = int(settings["frame_chunk_size"]), int(settings["action"]["action_per_frame"])
@@ -210,8 +222,9 @@ class LingBotVARunner(PolicyRunner):
 
     def _init_streaming_cache(self) -> None:
         self.allocator.reset()
-        self._pools = (torch.zeros(self.pool_shape, dtype=self.dtype, device=self.device),
-                       torch.zeros(self.pool_shape, dtype=self.dtype, device=self.device))
+        # Made by the backend: the ExecuTorch one zeroes the pool where it lives, without a transfer.
+        self._pools = (self.backend.zeros("k_pool", self.pool_shape, self.dtype),
+                       self.backend.zeros("v_pool", self.pool_shape, self.dtype))
 
     def _step(self, method: str, inputs: Dict[str, torch.Tensor], update_cache: int) -> torch.Tensor:
         """One transformer call: slots chosen as LeRobot's cache chooses them, the pool in and out."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Dict, List, Optional, Type, Union
 
+import torch
+
 from zoo.core.errors import RunnerError
 from zoo.contract.run_folder import RunFolder
 from zoo.runner.backends import BACKENDS, make_backend
@@ -47,12 +49,16 @@ def resolve(source: Union[str, Path, RunFolder]) -> RunFolder:
 
 
 def load(source: Union[str, Path, RunFolder], backend: str = "eager", device: Optional[str] = None,
-         processors: bool = True) -> PolicyRunner:
+         processors: bool = True, et_runner: Optional[Union[str, Path]] = None) -> PolicyRunner:
     """The runner of a run folder or published artifact.
 
     ``backend``: ``"eager"`` runs the rewritten programs (``rewritten.<method>.pt2``) with PyTorch, on the CPU by
     default or on ``device``; ``"artifact"`` runs each method's shipped ``.so`` and weights (taken out of
-    ``model.pte`` / ``aoti_cuda_blob.ptd``) through torch's AOTI runner, on ``cuda`` by default.
+    ``model.pte`` / ``aoti_cuda_blob.ptd``) through torch's AOTI runner, on ``cuda`` by default; ``"executorch"``
+    runs ``model.pte`` + ``aoti_cuda_blob.ptd`` in ExecuTorch's own C++ runtime (``et_runner``, else
+    ``$ZOO_ET_RUNNER``: a zoo_runner of the release the artifact needs), the state the host loop hands from call
+    to call held there on the GPU; ``device`` is then where the host loop's own arithmetic runs (``cuda`` where
+    torch has it, else the CPU).
     ``processors=False`` leaves the run's normalisation processors to the caller (``runner.preprocessor``,
     ``runner.postprocessor``), as LeRobot's own loop applies them around a policy.
     """
@@ -64,5 +70,7 @@ def load(source: Union[str, Path, RunFolder], backend: str = "eager", device: Op
         raise RunnerError(f"zoo.runner has no host loop for the policy in {run.path} (policy_type {kind!r})",
                           f"the runner drives these policy types: {known}" if kind else
                           "the run names no policy_type in host_settings.json: export it again with this zoo")
-    device = device or ("cuda" if backend == "artifact" else "cpu")
-    return RUNNERS[kind](run, make_backend(backend, run, device), processors=processors)
+    if device is None:
+        device = {"artifact": "cuda", "executorch": "cuda" if torch.cuda.is_available() else "cpu"}.get(backend, "cpu")
+    return RUNNERS[kind](run, make_backend(backend, run, device, et_runner=str(et_runner) if et_runner else None),
+                         processors=processors)

@@ -11,9 +11,16 @@ signature order, sends one plan line (``METHOD in0.zt in1.zt ...``) down the pip
 that names the output files. The runtime maps the inputs to the compiled ``.so``'s own order itself (the
 delegate node records it), unlike torch's AOTI runner, which verification must feed in the ``.so``'s order.
 
+State one call hands to the next stays inside the runner, on the GPU (protocol 2, docs/runtime.md): ``call(...,
+keep={output: NAME})`` leaves that output where the runtime put it, under NAME, and returns a ``DeviceValue`` (a
+name, a shape, a dtype: no tensor) that a later call takes as an input (``$NAME``). NAME is a slot: keeping another
+value under it replaces the first, and an older ``DeviceValue`` of the slot is refused. Keeping a method's state
+under the name it came in as (``k_pool`` in, ``k_pool_next`` kept as ``k_pool``) is what lets the runner skip any
+copy: ExecuTorch 1.2 frees a method's outputs when that method runs again, and the runner copies a named value first
+only when the call about to free it does not replace it (``rescued`` in each reply; ``stats``).
+
 ``run_plan`` runs a whole sequence in one process, feeding outputs of earlier calls into later ones inside the
-runner (``@STEP:OUTPUT`` references): LingBot-VA's ``video_step``/``action_step`` sharing the KV pool through
-the host in the "io" layout.
+runner as named values: LingBot-VA's ``video_step``/``action_step`` sharing the KV pool in the "io" layout.
 
 The executable is found from the ``executable`` argument or ``$ZOO_ET_RUNNER``; build it with
 ``scripts/build_runtime.sh`` (docs/runtime.md).
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import selectors
 import shutil
 import subprocess
@@ -30,19 +38,23 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
 from zoo.core.errors import RuntimeCallFailed, RuntimeNotBuilt
+from zoo.contract.releases import RuntimeRequirement
 from zoo.contract.tensor_file import read_tensor, write_tensor
 
 RUNNER_ENV = "ZOO_ET_RUNNER"
-BUILD_HINT = ("build it with `scripts/build_runtime.sh v1.2.0 build/runtime` (it clones ExecuTorch v1.2.0 with its "
-              "submodules; give an existing clone instead of the tag, or `--tarball FILE` offline; about 2 minutes "
-              "on 16 cores; docs/runtime.md) and point ZOO_ET_RUNNER at build/runtime/build/zoo_runner")
+BUILD_HINT = ("build it with `scripts/build_runtime.sh ../shared/third-party/executorch-v1.2.0-src.tar.xz "
+              "build/runtime` (about 2 minutes on 16 cores; docs/runtime.md) and point ZOO_ET_RUNNER at "
+              "build/runtime/build/zoo_runner")
 LOG_TAIL_LINES = 30
 PathLike = Union[str, Path]
+# The zoo_runner line protocol with named values ($NAME, keep:NAME, zeros/upload/fetch/drop): runtime/cpp.
+PROTOCOL = 2
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def find_runner(executable: Optional[PathLike] = None) -> Path:
@@ -71,8 +83,17 @@ def runner_info(executable: Optional[PathLike] = None) -> Dict[str, Any]:
 def describe(info: Dict[str, Any]) -> str:
     """One line for a report: which runtime ran the artifact."""
     cuda = "CUDA backend" if info.get("cuda") else "portable only, no CUDA backend"
+    patches = f"; zoo's patches: {', '.join(info['patches'])}" if info.get("patches") else ""
     return (f"ExecuTorch runtime {info.get('executorch_version', '?')} (zoo_runner, {cuda}; weight sharing across "
-            f"methods: {info.get('weight_sharing_across_methods', '?')})")
+            f"methods: {info.get('weight_sharing_across_methods', '?')}{patches})")
+
+
+def require_protocol(info: Dict[str, Any], executable: Any, what: str) -> None:
+    """RuntimeNotBuilt unless the runner speaks the named-value protocol (a build from before it does not)."""
+    if int(info.get("protocol", 1)) < PROTOCOL:
+        raise RuntimeNotBuilt(f"{executable} speaks zoo_runner protocol {info.get('protocol', 1)}; {what} needs "
+                              f"protocol {PROTOCOL} (values held on the GPU between calls)",
+                              "rebuild it from this checkout: " + BUILD_HINT)
 
 
 def _last_json(text: str) -> Optional[Dict[str, Any]]:
@@ -110,6 +131,27 @@ class PlanResult:
     outputs: List[List[Optional[torch.Tensor]]]
     step_ms: List[float]
     summary: Dict[str, Any] = field(default_factory=dict)
+    replies: List[Dict[str, Any]] = field(default_factory=list)  # each call's reply (rescued, host_copies, device)
+
+
+class DeviceValue:
+    """A tensor a RuntimeSession's runner holds under a name (on the GPU when it has one): pass it as an input of a
+    later call; ``fetch()`` copies it to a CPU tensor. Only the newest value of a name is valid."""
+
+    def __init__(self, session: "RuntimeSession", name: str, version: int, shape: Sequence[int], dtype: str,
+                 on_device: bool):
+        self.session, self.name, self.version = session, name, version
+        self.shape, self.dtype, self.on_device = tuple(int(d) for d in shape), dtype, bool(on_device)
+
+    def fetch(self) -> torch.Tensor:
+        return self.session.fetch(self)
+
+    def __repr__(self) -> str:
+        where = "GPU" if self.on_device else "host"
+        return f"DeviceValue(${self.name} v{self.version}, {self.dtype} {list(self.shape)}, on the {where})"
+
+
+Input = Union[torch.Tensor, DeviceValue]
 
 
 class RuntimeSession:
@@ -117,23 +159,29 @@ class RuntimeSession:
 
     def __init__(self, pte: PathLike, ptd: Optional[PathLike] = None, *, executable: Optional[PathLike] = None,
                  require_cuda: bool = True, weight_sharing: bool = True, methods: Sequence[str] = (),
-                 work_dir: Optional[PathLike] = None, timeout_s: float = 600.0):
+                 work_dir: Optional[PathLike] = None, timeout_s: float = 600.0,
+                 requirement: Optional[RuntimeRequirement] = None):
         self.executable = find_runner(executable)
         self.pte = Path(pte).resolve()
         self.ptd = Path(ptd).resolve() if ptd else None
         self.timeout_s = timeout_s
         if not self.pte.is_file():
-            raise RuntimeCallFailed(f"{self.pte} is missing", "lower the run first (`python -m zoo lower RUN_DIR`)")
+            raise RuntimeCallFailed(f"{self.pte} is missing", "lower the run first (`python -m zoo.lower RUN_DIR`)")
         self.build = runner_info(self.executable)
         if require_cuda and not self.build.get("cuda"):
             raise RuntimeNotBuilt(f"{self.executable} was built without the CUDA backend (portable runtime only); "
                                   "it cannot run a CUDA artifact", "build without --cpu: " + BUILD_HINT)
+        if requirement is not None:
+            requirement.check(self.build, self.executable)
+        self.requirement = requirement
         self._own_dir = work_dir is None
         self.work_dir = (Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="zoo-et-"))).resolve()
         (self.work_dir / "in").mkdir(parents=True, exist_ok=True)
         (self.work_dir / "out").mkdir(parents=True, exist_ok=True)
         self.log_path = self.work_dir / "zoo_runner.log"
         self._calls = 0
+        self._versions: Dict[str, int] = {}  # name -> the newest version the runner holds
+        self.stats = {"calls": 0, "rescued": 0, "host_copies": 0}
         self.summary: Dict[str, Any] = {}
         cmd = [str(self.executable), "--model", str(self.pte), "--plan", "-", "--outputs", str(self.work_dir / "out")]
         if self.ptd is not None:
@@ -208,31 +256,104 @@ class RuntimeSession:
 
     # --- calls ---------------------------------------------------------------------------------------------------------
 
-    def call(self, method: str, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        """Run ``method`` once on ``inputs`` (any device; signature order); returns its tensor outputs on the CPU."""
+    def _send(self, line: str, what: str) -> Dict[str, Any]:
+        """One command line down the pipe, its JSON reply back; RuntimeCallFailed when the runner fails it."""
         if self._proc.poll() is not None:
             raise RuntimeCallFailed(f"zoo_runner is not running ({_exit_text(self._proc.returncode)})",
                                     "open a new session")
-        n = self._calls
-        self._calls += 1
-        paths = [write_tensor(self.work_dir / "in" / f"{n}.{i}.zt", t) for i, t in enumerate(inputs)]
         try:
-            self._proc.stdin.write((" ".join([method] + [str(p) for p in paths]) + "\n").encode())
+            self._proc.stdin.write((line + "\n").encode())
             self._proc.stdin.flush()
         except BrokenPipeError:
             pass  # it died: the reply read below says how
-        reply = self._read_reply(f"running {method} (call {n})")
-        for p in paths:
-            p.unlink()
+        reply = self._read_reply(what)
         if not reply.get("ok"):
-            self._fail(f"running {method} (call {n})", reply)
-        outputs = []
-        for path in reply.get("outputs", []):
-            if path is None:
-                continue
-            outputs.append(read_tensor(path))
-            Path(path).unlink()
+            self._fail(what, reply)
+        return reply
+
+    def _token(self, value: Input, path: Path) -> str:
+        if isinstance(value, DeviceValue):
+            if value.session is not self:
+                raise RuntimeCallFailed(f"{value!r} belongs to another session", "pass values of this session only")
+            if self._versions.get(value.name) != value.version:
+                raise RuntimeCallFailed(f"{value!r} was replaced by a later value of {value.name} (or dropped)",
+                                        "pass the newest value the session returned for that name")
+            return "$" + value.name
+        return str(write_tensor(path, value))
+
+    def call(self, method: str, inputs: Sequence[Input], keep: Optional[Mapping[int, str]] = None
+             ) -> List[Union[torch.Tensor, DeviceValue]]:
+        """Run ``method`` once on ``inputs`` (tensors on any device, or values this session holds; signature order).
+        Returns its outputs but None ones: CPU tensors, except outputs ``keep`` names (output position -> name),
+        which stay in the runner, on the GPU, and come back as ``DeviceValue``s."""
+        n = self._calls
+        self._calls += 1
+        if keep or any(isinstance(v, DeviceValue) for v in inputs):
+            require_protocol(self.build, self.executable, "keeping values in the runner")
+        for name in (keep or {}).values():
+            if not _NAME.fullmatch(name):
+                raise RuntimeCallFailed(f"{name!r} is not a name the runner takes ([A-Za-z0-9_.-]+)", "rename it")
+        tokens = [self._token(v, self.work_dir / "in" / f"{n}.{i}.zt") for i, v in enumerate(inputs)]
+        line = " ".join([method] + tokens)
+        if keep:
+            count = len(self.ready_outputs(method)) or (max(keep) + 1)
+            line += " -> " + " ".join(f"keep:{keep[k]}" if k in keep else "host" for k in range(count))
+        reply = self._send(line, f"running {method} (call {n})")
+        for p in self.work_dir.glob(f"in/{n}.*.zt"):
+            p.unlink()
+        self.stats["calls"] += 1
+        self.stats["rescued"] += len(reply.get("rescued", []))
+        self.stats["host_copies"] += int(reply.get("host_copies", 0))
+        outputs: List[Union[torch.Tensor, DeviceValue]] = []
+        for k, path in enumerate(reply.get("outputs", [])):
+            if keep and k in keep:
+                outputs.append(self._held(keep[k], reply["shapes"][k], reply["dtypes"][k],
+                                          (reply.get("device") or [False] * (k + 1))[k]))
+            elif path is not None:
+                outputs.append(read_tensor(path))
+                Path(path).unlink()
         return outputs
+
+    def ready_outputs(self, method: str) -> List[bool]:
+        """Whether each output of ``method`` is memory-planned, as the runner read the loaded program (empty when
+        the runner does not say: protocol 1)."""
+        return list(((self.ready.get("memory_planned") or {}).get(method) or {}).get("outputs") or [])
+
+    def _held(self, name: str, shape: Sequence[int], dtype: str, on_device: bool) -> DeviceValue:
+        version = self._versions.get(name, 0) + 1
+        self._versions[name] = version
+        return DeviceValue(self, name, version, shape, dtype, on_device)
+
+    def zeros(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> DeviceValue:
+        """A zero tensor the runner holds under ``name`` (on the GPU: nothing crosses from the host); the memory of
+        the value ``name`` held, when it has this shape and dtype, is zeroed in place."""
+        require_protocol(self.build, self.executable, "zeros")
+        dt = str(dtype).replace("torch.", "")
+        reply = self._send(f"zeros {name} {dt} [{','.join(str(int(d)) for d in shape)}]", f"zeros {name}")
+        return self._held(name, reply["shape"], reply["dtype"], reply.get("device", False))
+
+    def upload(self, name: str, tensor: torch.Tensor) -> DeviceValue:
+        require_protocol(self.build, self.executable, "upload")
+        path = write_tensor(self.work_dir / "in" / f"upload.{name}.zt", tensor)
+        reply = self._send(f"upload {name} {path}", f"upload {name}")
+        path.unlink()
+        return self._held(name, reply["shape"], reply["dtype"], reply.get("device", False))
+
+    def fetch(self, value: DeviceValue) -> torch.Tensor:
+        """The value's data as a CPU tensor (a copy from the GPU)."""
+        path = self.work_dir / "out" / f"fetch.{value.name}.zt"
+        self._send(f"fetch {self._token(value, path)[1:]} {path}", f"fetch {value.name}")
+        tensor = read_tensor(path)
+        path.unlink()
+        return tensor
+
+    def drop(self, *names: str) -> None:
+        """Release the values held under ``names`` (their DeviceValues become invalid)."""
+        held = [n for n in names if n in self._versions]
+        if held:
+            self._send("drop " + " ".join(held), "drop")
+        for n in held:
+            del self._versions[n]
 
     def runner(self, method: str) -> "MethodRunner":
         return MethodRunner(self, method)
@@ -291,34 +412,55 @@ class MethodRunner:
 Ref = Tuple[int, int]  # (earlier call, its output index): fed inside the runner, never through Python
 
 
+def _plan_lines(steps: Sequence[Tuple[str, Sequence[Union[torch.Tensor, Ref]]]], work: Path) -> List[str]:
+    """The plan file: each referenced output kept under a name of its own (``r<step>_<output>``), fetched to a file
+    after its call (the caller gets every output), and dropped after its last use, so that no value is still
+    named when its method runs again (the runner would have to copy it)."""
+    last_use: Dict[Ref, int] = {}
+    for s, (_, inputs) in enumerate(steps):
+        for i, item in enumerate(inputs):
+            if not isinstance(item, torch.Tensor):
+                step, output = item
+                if not 0 <= step < s:
+                    raise ValueError(f"step {s} input {i} refers to step {step}, which does not come before it")
+                last_use[(step, output)] = s
+    lines = ["# zoo_runner plan: METHOD IN ... [-> OUT ...] (docs/runtime.md)"]
+    for s, (method, inputs) in enumerate(steps):
+        words = [method] + [str(write_tensor(work / "in" / f"{s}.{i}.zt", item)) if isinstance(item, torch.Tensor)
+                            else f"$r{item[0]}_{item[1]}" for i, item in enumerate(inputs)]
+        kept = sorted(k for (step, k) in last_use if step == s)
+        if kept:
+            words += ["->"] + [f"keep:r{s}_{k}" if k in kept else "host" for k in range(max(kept) + 1)]
+        lines.append(" ".join(words))
+        lines += [f"fetch r{s}_{k} {work / 'out' / f'step{s}.kept{k}.zt'}" for k in kept]
+        done = sorted(ref for ref, last in last_use.items() if last == s)
+        if done:
+            lines.append("drop " + " ".join(f"r{step}_{k}" for step, k in done))
+    return lines
+
+
 def run_plan(pte: PathLike, ptd: Optional[PathLike], steps: Sequence[Tuple[str, Sequence[Union[torch.Tensor, Ref]]]],
              *, executable: Optional[PathLike] = None, require_cuda: bool = True, weight_sharing: bool = True,
-             timeout_s: float = 600.0, keep_dir: Optional[PathLike] = None) -> PlanResult:
+             timeout_s: float = 600.0, keep_dir: Optional[PathLike] = None,
+             requirement: Optional[RuntimeRequirement] = None) -> PlanResult:
     """Run ``steps`` (method, inputs) in one zoo_runner process, one loaded program. An input is a tensor or
-    ``(step, output)``: that earlier call's output, handed over inside the runner (the KV pool of the "io"
-    layout goes from one call to the next this way). ``keep_dir`` keeps the plan, the files and the log."""
+    ``(step, output)``: that earlier call's output, held by the runner (on the GPU) and handed over there (the KV
+    pool of the "io" layout goes from one call to the next this way). Every output comes back on the CPU.
+    ``keep_dir`` keeps the plan, the files and the log."""
     exe = find_runner(executable)
     build = runner_info(exe)
     if require_cuda and not build.get("cuda"):
         raise RuntimeNotBuilt(f"{exe} was built without the CUDA backend", "build without --cpu: " + BUILD_HINT)
+    if requirement is not None:
+        requirement.check(build, exe)
+    if any(not isinstance(item, torch.Tensor) for _, inputs in steps for item in inputs):
+        require_protocol(build, exe, "a plan that hands outputs to later calls")
     work = (Path(keep_dir) if keep_dir else Path(tempfile.mkdtemp(prefix="zoo-et-plan-"))).resolve()
     (work / "in").mkdir(parents=True, exist_ok=True)
     (work / "out").mkdir(parents=True, exist_ok=True)
     try:
-        lines = ["# zoo_runner plan: METHOD IN IN ... (IN: a tensor file or @STEP:OUTPUT)"]
-        for s, (method, inputs) in enumerate(steps):
-            words = [method]
-            for i, item in enumerate(inputs):
-                if isinstance(item, torch.Tensor):
-                    words.append(str(write_tensor(work / "in" / f"{s}.{i}.zt", item)))
-                else:
-                    step, output = item
-                    if not 0 <= step < s:
-                        raise ValueError(f"step {s} input {i} refers to step {step}, which does not come before it")
-                    words.append(f"@{step}:{output}")
-            lines.append(" ".join(words))
         plan = work / "plan.txt"
-        plan.write_text("\n".join(lines) + "\n")
+        plan.write_text("\n".join(_plan_lines(steps, work)) + "\n")
         cmd = [str(exe), "--model", str(pte), "--plan", str(plan), "--outputs", str(work / "out")]
         if ptd:
             cmd += ["--data", str(ptd)]
@@ -334,9 +476,16 @@ def run_plan(pte: PathLike, ptd: Optional[PathLike], steps: Sequence[Tuple[str, 
                                     f"{summary.get('error', 'no summary')}\nzoo_runner's log:\n"
                                     f"{_tail((work / 'zoo_runner.log').read_text(errors='replace'))}",
                                     "the log above is ExecuTorch's own (logging is compiled in)")
-        calls = [r for r in replies if "step" in r]
-        outputs = [[read_tensor(p) if p else None for p in r["outputs"]] for r in calls]
-        return PlanResult(outputs=outputs, step_ms=[r["ms"] for r in calls], summary=summary)
+        calls = [r for r in replies if "step" in r and "method" in r]
+        outputs = []
+        for s, reply in enumerate(calls):
+            got = [read_tensor(p) if p else None for p in reply["outputs"]]
+            for k in range(len(got)):
+                fetched = work / "out" / f"step{s}.kept{k}.zt"
+                if got[k] is None and fetched.is_file():
+                    got[k] = read_tensor(fetched)
+            outputs.append(got)
+        return PlanResult(outputs=outputs, step_ms=[r["ms"] for r in calls], summary=summary, replies=calls)
     finally:
         if keep_dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -29,6 +29,14 @@ What it takes (measured on an H200, see docs and notes):
   the method's: the order is read from the ``executorch_call_delegate`` node and saved in ``so/<method>.io.json``
   so verification from a saved run needs no re-lowering.
 
+Graph inputs and outputs are left out of memory planning (``executorch_config``): a GPU pointer can then be
+bound to any input (``Method::set_input`` memcpy's into a planned input, which for a GPU pointer crashes) and the
+CUDA backend's outputs are used where it leaves them, so state one call hands to the next (a KV pool, the VAE
+caches) stays on the GPU in zoo_runner. Every method is one delegate call from its inputs to its outputs
+(``delegate_io_order`` refuses anything else), so no portable kernel reads or writes that unplanned memory. What
+the written ``.pte`` ended up with, and the runtime release it needs, go to ``runtime.json``
+(``zoo.contract.releases.RuntimeRequirement``).
+
 Reading an artifact back (``read_pte``, ``extract_method_files``) is ``zoo.contract.artifact``'s; the compile specs and
 the runtimes' allow-lists are ``zoo.contract.releases``'s.
 
@@ -61,6 +69,7 @@ from zoo.contract.artifact import (
     WEIGHTS_SUFFIX,
     ensure_flatc,
     extract_method_files,
+    io_memory_planning,
     weights_file_name,
 )
 from zoo.export.lower.assemble import assemble_program
@@ -74,7 +83,7 @@ from zoo.core.progress import Progress
 from zoo.core.progress import say as default_say
 from zoo.core.report import format_table
 from zoo.contract.run_folder import RunFolder, read_program
-from zoo.contract.releases import compile_specs
+from zoo.contract.releases import RuntimeRequirement, compile_specs, lowering_requirement
 
 DEFAULT_INDUCTOR_CACHE = Path.home() / ".cache" / "zoo" / "inductor"
 LOWER_ONE_METHOD = "zoo.export.lower.lowering:lower_one_method"
@@ -154,6 +163,7 @@ class LoweringResult:
     workers: Dict[str, Any] = field(default_factory=dict)  # how many lowered at once, why, in this process or not
     weights: Dict[str, Any] = field(default_factory=dict)  # the .ptd: which keys share a segment, against the plan
     stage_seconds: Dict[str, float] = field(default_factory=dict)  # plan, save programs, workers, assemble, ...
+    runtime: Dict[str, Any] = field(default_factory=dict)  # runtime.json: the release it needs, its I/O planning
 
     def as_dict(self) -> Dict[str, Any]:
         d = asdict(self)
@@ -180,6 +190,8 @@ class LoweringResult:
                 f"{', in this process' if workers.get('in_process') else ''})")
         if self.weights.get("segments") is not None:
             head += "\n" + weights_line(self.weights)
+        if self.runtime:
+            head += "\nneeds " + RuntimeRequirement.from_dict(self.runtime).describe()
         return head + "\n" + format_table(rows)
 
 
@@ -208,7 +220,7 @@ def cuda_device_info() -> Dict[str, Any]:
         raise NoGpuError(
             "lowering to an ExecuTorch CUDA .pte needs a CUDA device: Inductor compiles and autotunes its kernels "
             "on the GPU, and none is visible here",
-            "run `python -m zoo lower RUN_DIR` on a machine with an NVIDIA GPU (the run folder holds everything it "
+            "run `python -m zoo.lower RUN_DIR` on a machine with an NVIDIA GPU (the run folder holds everything it "
             "needs); export, rewrites and the CPU check already ran here",
         )
     major, minor = torch.cuda.get_device_capability()
@@ -320,6 +332,16 @@ def _delegate_mutable_buffers(program: ExportedProgram) -> Dict[str, int]:
 # --- one method -------------------------------------------------------------------------------------------
 
 
+def executorch_config() -> Any:
+    """How a lowered method is serialised: its graph inputs and outputs get no planned memory (see the module
+    docstring); everything else is ExecuTorch's default."""
+    from executorch.exir import ExecutorchBackendConfig
+    from executorch.exir.passes import MemoryPlanningPass
+
+    return ExecutorchBackendConfig(
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False, alloc_graph_output=False))
+
+
 def lower_one_method(method: str, program: ExportedProgram, options: Dict[str, Any]) -> LoweredMethod:
     """One method through ExecuTorch's CudaPartitioner: the CUDA lowering ``lower_to_pte`` runs in each worker
     (``lower_with_partitioner``)."""
@@ -358,7 +380,7 @@ def lower_with_partitioner(method: str, program: ExportedProgram, options: Dict[
                 io["output_names"] = output_names
                 io["mutable_buffers"] = _delegate_mutable_buffers(lowered)
                 start = time.perf_counter()
-                executorch_program = edge.to_executorch()
+                executorch_program = edge.to_executorch(executorch_config())
                 seconds["to_executorch"] = round(time.perf_counter() - start, 3)
             except ZooError:
                 raise
@@ -447,6 +469,7 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
     start = time.perf_counter()
     stage_seconds: Dict[str, float] = {}
     run.pte.unlink(missing_ok=True)  # a model.pte left from an earlier run must not pair with new weights
+    run.runtime_file.unlink(missing_ok=True)  # nor its runtime requirement
     work = Path(tempfile.mkdtemp(prefix=".lowering.tmp-", dir=run.path))
     failed = True
     try:
@@ -501,6 +524,9 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
         failed = False
     finally:
         _clean_work_folder(work, keep_logs=failed)
+    # Read back from the bytes written: what a runtime will find, whichever lowering function made them.
+    requirement = lowering_requirement(_executorch_version(), io_memory_planning(run.pte))
+    run.write_runtime_requirement(requirement.as_dict())
     options.update(inductor_cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(inductor_cache_dir()),
                    prune_choices_based_on_shared_mem=True, executorch=_executorch_version(),
                    triton_ptxas=lowering_ptxas(),
@@ -519,7 +545,7 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
         compile_seconds=compile_seconds, methods=methods_record, options=options, gpu=gpu,
         preflight=PreflightResult.merged(preflights).as_dict() if preflights else None,
         workers={"count": count, "why": why, "in_process": count == 1}, weights=weights,
-        stage_seconds=stage_seconds)
+        stage_seconds=stage_seconds, runtime=requirement.as_dict())
 
 
 def plans_decision(plans: Sequence[Tuple[List[str], ConstantPlan]]) -> Dict[str, Any]:

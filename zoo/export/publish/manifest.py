@@ -17,11 +17,13 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 
 from zoo import __version__
 from zoo.core import atomic
-from zoo.core.errors import PublishRefused
+from zoo.contract.artifact import io_memory_planning
+from zoo.core.errors import PublishRefused, ZooError
 from zoo.export.publish.model_card import resolve_license
 from zoo.core.progress import steps
 from zoo.core.report import RunReport
 from zoo.contract.run_folder import ARTIFACT_FILES, MANIFEST_JSON, RunFolder
+from zoo.contract.releases import requirement_for
 
 FORMAT = "zoo-manifest/1"
 
@@ -42,8 +44,8 @@ def sha256_file(path: Union[str, Path]) -> str:
 def artifact_files(run_dir: Union[RunFolder, Path]) -> List[str]:
     """Paths (relative, POSIX) of every file that is published from ``run_dir``, sorted: the artifact files
     (``run_folder.ARTIFACT_FILES``), each method's delegate I/O order (``so/<method>.io.json``: the policy
-    runner's artifact backend feeds a downloaded artifact's ``.so`` files with it) and, if present, all of
-    ``processors/``.
+    runner's artifact backend feeds a downloaded artifact's ``.so`` files with it) and, if present, ``runtime.json``
+    (the ExecuTorch runtime release it needs) and all of ``processors/``.
 
     Hidden names are left out: they are interrupted atomic writes (``.<name>.tmp-*``), never artifacts.
     """
@@ -53,6 +55,8 @@ def artifact_files(run_dir: Union[RunFolder, Path]) -> List[str]:
         raise PublishRefused(f"run folder {run.path} has no {', '.join(missing)}",
                              "lower and verify the run first; only a finished run folder can be published")
     files = list(ARTIFACT_FILES) + [path.relative_to(run.path).as_posix() for path in run.io_order_files()]
+    if run.runtime_file.is_file():
+        files.append(run.runtime_file.relative_to(run.path).as_posix())
     if run.processors_dir.is_dir():
         for path in sorted(run.processors_dir.rglob("*")):
             rel = path.relative_to(run.path)
@@ -140,9 +144,16 @@ def _read_json(path: Path) -> Any:
         raise PublishRefused(f"{path} is not valid JSON ({exc})", "re-run the step that writes it") from None
 
 
-def build_manifest(run_dir: Union[RunFolder, Path], report: Union[RunReport, Mapping[str, Any]],
-                   files: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
-    """The manifest of a run; ``files`` given (an unverified preview) stands for the hashed artifact files."""
+def _runtime_record(run: RunFolder) -> Optional[Dict[str, Any]]:
+    """The runtime release the artifact needs (runtime.json, or inferred for a run lowered before zoo wrote it);
+    None when the .pte cannot tell."""
+    try:
+        return requirement_for(run, io_memory_planning).as_dict() if run.pte.is_file() else None
+    except ZooError:
+        return None
+
+
+def build_manifest(run_dir: Union[RunFolder, Path], report: Union[RunReport, Mapping[str, Any]]) -> Dict[str, Any]:
     run = RunFolder(run_dir)
     data = _report_data(report)
     recipe = run.recipe_dict()
@@ -163,7 +174,8 @@ def build_manifest(run_dir: Union[RunFolder, Path], report: Union[RunReport, Map
         "audit": public_section(data.get("audit")),
         "verification": public_section(data.get("verification")),
         "policy_check": public_section(data.get("policy_check")),
-        "files": file_table(run.path) if files is None else files,
+        "runtime": _runtime_record(run),
+        "files": file_table(run.path),
     }
 
 

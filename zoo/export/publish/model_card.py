@@ -149,6 +149,9 @@ def _runner_section(manifest: Mapping[str, Any], repo_id: str) -> List[str]:
             "runner.reset()",
             "action = runner.select_action(batch)",
             "```", "",
+            "`backend=\"artifact\"` runs each method's `.so` through torch's AOTI runner; `backend=\"executorch\"` "
+            "drives `model.pte` + `aoti_cuda_blob.ptd` through ExecuTorch's own C++ runtime (zoo's `zoo_runner`, "
+            "`$ZOO_ET_RUNNER`), the state one call hands to the next held on the GPU by the runtime.", "",
             "The task's text embedding is computed once per prompt, on a workstation with lerobot: "
             f'`python -m zoo prompt RUN_DIR "pick up the bowl" -o task.safetensors`, then '
             '`runner.load_prompt("task.safetensors")`. From a shell: `python -m zoo act RUN_DIR --observation '
@@ -233,24 +236,50 @@ def _run_section(manifest: Mapping[str, Any], repo_id: str, io_spec: Mapping[str
                      "load it until a runtime provides the missing symbols:",
               None: f"this builds ExecuTorch {runtime['release']}, the release it was exported with:",
               }[runtime["loadable"]], "",
-           "```bash",
-           f"hf download {repo_id} --local-dir artifact && cd artifact",
-           f"git clone --branch {runtime['ref']} --recursive https://github.com/pytorch/executorch.git ../executorch",
-           "cmake -S ../executorch -B ../executorch/cmake-out -DCMAKE_BUILD_TYPE=Release \\",
-           "  -DEXECUTORCH_BUILD_CUDA=ON -DEXECUTORCH_BUILD_EXECUTOR_RUNNER=ON \\",
-           "  -DEXECUTORCH_BUILD_EXTENSION_DATA_LOADER=ON -DEXECUTORCH_BUILD_EXTENSION_FLAT_TENSOR=ON",
-           "cmake --build ../executorch/cmake-out --target executor_runner -j",
-           f"../executorch/cmake-out/{RUNNER}",
-           "```", "",
-           "`--data_path` hands the runtime the weights blob; the compiled kernels are inside `model.pte`. "
-           "Without `--inputs` the runner feeds all-ones tensors; pass raw little-endian tensor files, one per "
-           "input in the order of the table above, as `--inputs a.bin,b.bin`."]
-    if len(methods) > 1:
+           *_build_lines(manifest, runtime, repo_id)]
+    if len(methods) > 1 and not _device_io(manifest):
         out += ["", f"This program has {len(methods)} methods ({', '.join(f'`{m}`' for m in methods)}). The runner "
                     "runs the first unless told otherwise: runner builds that have the `--method_name` flag take "
                     "`--method_name METHOD`; in your own C++ host, load each method by name through "
                     "`executorch::extension::Module`."]
     return out + [""]
+
+
+def _device_io(manifest: Mapping[str, Any]) -> bool:
+    runtime = manifest.get("runtime")
+    return isinstance(runtime, Mapping) and bool(runtime.get("device_io"))
+
+
+def _build_lines(manifest: Mapping[str, Any], runtime: Mapping[str, Any], repo_id: str) -> List[str]:
+    """How to build a runner for the artifact and run it. ExecuTorch's ``executor_runner`` hands a method no memory
+    for an output it did not plan, so an artifact whose graph I/O is left out of memory planning (``runtime.json``,
+    state kept on the GPU) is run with zoo's ``zoo_runner``."""
+    requirement = manifest.get("runtime") if isinstance(manifest.get("runtime"), Mapping) else {}
+    clone = f"git clone --branch {runtime['ref']} --recursive https://github.com/pytorch/executorch.git ../executorch"
+    if not _device_io(manifest):
+        return ["```bash", f"hf download {repo_id} --local-dir artifact && cd artifact", clone,
+                "cmake -S ../executorch -B ../executorch/cmake-out -DCMAKE_BUILD_TYPE=Release \\",
+                "  -DEXECUTORCH_BUILD_CUDA=ON -DEXECUTORCH_BUILD_EXECUTOR_RUNNER=ON \\",
+                "  -DEXECUTORCH_BUILD_EXTENSION_DATA_LOADER=ON -DEXECUTORCH_BUILD_EXTENSION_FLAT_TENSOR=ON",
+                "cmake --build ../executorch/cmake-out --target executor_runner -j",
+                f"../executorch/cmake-out/{RUNNER}", "```", "",
+                "`--data_path` hands the runtime the weights blob; the compiled kernels are inside `model.pte`. "
+                "Without `--inputs` the runner feeds all-ones tensors; pass raw little-endian tensor files, one per "
+                "input in the order of the table above, as `--inputs a.bin,b.bin`."]
+    release = requirement["release"]
+    return ["```bash", f"hf download {repo_id} --local-dir artifact && cd artifact", clone,
+            "# in a checkout of zoo: ExecuTorch's runtime, its CUDA backend and zoo_runner (docs/runtime.md)",
+            "scripts/build_runtime.sh ../executorch build/runtime",
+            "build/runtime/build/zoo_runner --model model.pte --data aoti_cuda_blob.ptd --plan -",
+            "```", "",
+            f"It needs ExecuTorch's runtime **{release}** (`runtime.json`; lowered with executorch "
+            f"{requirement.get('lowered_with', '?')}). Its graph inputs and outputs are left out of memory planning, "
+            "so that a host can pass GPU pointers as inputs and keep outputs on the GPU (ExecuTorch "
+            f"{release}'s backend options `skip_copy_output_to_cpu_for_method` and `use_shared_cuda_stream`): "
+            "the state one call hands to the next never crosses to the host. ExecuTorch's `executor_runner` "
+            "gives an output no memory it did not plan, so it cannot run this artifact; `zoo_runner` runs each "
+            "method by name on tensor files or on values it holds on the GPU (`$NAME`, `keep:NAME`; "
+            "`zoo_runner --help`), and `zoo.runner.load(..., backend=\"executorch\")` drives it from Python."]
 
 
 def _provenance_section(manifest: Mapping[str, Any]) -> List[str]:
