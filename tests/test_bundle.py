@@ -123,7 +123,7 @@ def test_bundle_hub_cache_loads_offline_through_the_real_pull(local_index, tmp_p
     each file with its hash, and with HF_HUB_OFFLINE=1 the real pull code finds the checkpoint there."""
     from zoo.export import pull as hub
     from zoo.export.hub_cache import hub_environment
-    from zoo.policies.llama.unit import unit as llama
+    from zoo.policies.llama import unit as llama
     from zoo.contract.recipes import load_recipe
 
     out = tmp_path / "bundle"

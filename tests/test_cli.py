@@ -226,7 +226,7 @@ def test_policy_tiny_recipes_end_to_end(tiny_runs, recipe):
 @pytest.fixture(scope="module")
 def llama_checkpoint(tmp_path_factory) -> Path:
     pytest.importorskip("transformers")
-    from zoo.policies.llama.unit import unit as llama
+    from zoo.policies.llama import unit as llama
 
     recipe = load_recipe("llama-rope-tiny")
     repos = llama.fabricate_checkpoint(recipe, tmp_path_factory.mktemp("llama"))

@@ -56,8 +56,8 @@ def layer_of(module: str) -> Optional[int]:
 
 # What the deploy side may import, beyond itself: a deployment needs the runner, the artifact readers and a
 # runtime, nothing of the exporter.
-DEPLOY = ("zoo.runner", "zoo.contract.releases")
-DEPLOY_MAY_IMPORT = ("zoo.core", "zoo.contract", "zoo.runner", "zoo.contract.releases", "zoo.policies")
+DEPLOY = ("zoo.runner", "zoo.runtimes")
+DEPLOY_MAY_IMPORT = ("zoo.core", "zoo.contract", "zoo.runner", "zoo.runtimes", "zoo.policies")
 
 # The folders of programs around the package: each file runs as a program, with zoo installed.
 PROGRAM_FOLDERS = ("scripts", "benchmarks", "tools")

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 from zoo.core.errors import PullError, RecipeError  # noqa: E402
 from zoo.export.hub_cache import folder_commit, hub_environment, put_in_cache  # noqa: E402
 from zoo.core.numerics import compare  # noqa: E402
-from zoo.policies.llama.unit import unit as llama  # noqa: E402
+from zoo.policies.llama import unit as llama  # noqa: E402
 from zoo.contract.recipes import load_recipe  # noqa: E402
 
 pytestmark = pytest.mark.policies

@@ -36,7 +36,7 @@ from zoo.runtimes.executorch import DeviceValue, RuntimeSession
 from zoo.core.progress import warn
 from zoo.contract.run_folder import RunFolder
 from zoo.contract.releases import requirement_for
-from zoo.export.verify import run_in_delegate_order
+from zoo.runtimes.aoti import run_in_delegate_order
 
 BACKENDS = ("eager", "artifact", "executorch")
 # {method: {output name: the name it is kept and fed back under}}

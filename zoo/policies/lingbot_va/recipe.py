@@ -15,7 +15,7 @@ from lerobot.policies.lingbot_va import LingBotVAConfig
 
 from zoo.contract.recipes import Recipe
 from zoo.core.errors import RecipeError
-from zoo.policies.lingbot_va.unit import vae as vae_stream
+from zoo.policies.lingbot_va import vae as vae_stream
 
 FAMILY = "lingbot_va"
 POLICY_TYPE = "lingbot_va"  # the "type" key LeRobot writes into config.json for this policy

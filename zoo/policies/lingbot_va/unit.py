@@ -18,7 +18,7 @@ import torch
 from zoo.contract.recipes import Recipe
 from zoo.core.errors import ExportError, PullError
 from zoo.policies.base import ExportUnit, InputSpec, MethodSpec, feature_record
-from zoo.policies.lingbot_va.unit import vae as vae_stream
+from zoo.policies.lingbot_va import vae as vae_stream
 from zoo.policies.lingbot_va.checkpoint import fabricate_checkpoint, fabricated_config, save_frozen_repo
 from zoo.policies.lingbot_va.loading import load_policy
 from zoo.policies.lingbot_va.pool import PoolStep, zero_pools
