@@ -20,9 +20,10 @@ import torch
 from torch.export.passes import move_to_device_pass
 from torch.utils import _pytree as pytree
 
-from ..aoti_runner import AotiRunner
+from ..aoti_runner import AotiRunner, cuda_device
 from ..artifact import extract_method_files
 from ..errors import RunnerError
+from ..gpu_targets import require_runs_on
 from ..run_folder import RunFolder
 from ..verify import run_in_delegate_order
 
@@ -127,7 +128,14 @@ class ArtifactBackend(Backend):
             if m not in shipped:
                 raise RunnerError(f"{run.pte} holds no compiled .so for method {m!r}",
                                   "lower the run again (`python -m zoo.lower RUN_DIR`)")
-            self._runners[m] = AotiRunner(shipped[m]["so"], shipped[m]["weights"], str(self.device))
+        # Every method's host code and kernels against this GPU and host before any is loaded: an artifact
+        # lowered for another GPU is refused with what to do (zoo.gpu_targets).
+        if torch.cuda.is_available():  # without a GPU, AotiRunner says so
+            require_runs_on({m: shipped[m]["so"] for m in methods}, cuda_device(self.device),
+                            artifact=f"the artifact in {run.path}", run_dir=str(run.path))
+        for m in methods:
+            self._runners[m] = AotiRunner(shipped[m]["so"], shipped[m]["weights"], str(self.device),
+                                          run_dir=run.path)
 
     def _run(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
         return run_in_delegate_order(self._runners[method], self._orders[method], args)
