@@ -32,6 +32,7 @@ Standard library and pyelftools only: the deploy side imports this without the e
 from __future__ import annotations
 
 import io
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,27 +63,32 @@ class Gpu:
     capability: Tuple[int, int]
     machine: str = "x86_64"
     tegra: bool = False
+    # Most shared memory a block may opt in to, in bytes (NVIDIA's CUDA programming guide, technical
+    # specifications per compute capability); 0 where not known. A lowering for this GPU elsewhere caps its
+    # kernels at it.
+    shared_memory: int = 0
 
     @property
     def arch(self) -> int:
         return self.capability[0] * 10 + self.capability[1]
 
 
+KIB = 1024
 GPUS: Dict[str, Gpu] = {g.name: g for g in (
-    Gpu("t4", "NVIDIA T4", (7, 5)),
-    Gpu("a100", "NVIDIA A100", (8, 0)),
-    Gpu("a10", "NVIDIA A10", (8, 6)),
-    Gpu("a10g", "NVIDIA A10G", (8, 6)),
-    Gpu("rtx3090", "NVIDIA GeForce RTX 3090", (8, 6)),
-    Gpu("l4", "NVIDIA L4", (8, 9)),
-    Gpu("l40s", "NVIDIA L40S", (8, 9)),
-    Gpu("rtx4090", "NVIDIA GeForce RTX 4090", (8, 9)),
-    Gpu("h100", "NVIDIA H100", (9, 0)),
-    Gpu("h200", "NVIDIA H200", (9, 0)),
-    Gpu("gh200", "NVIDIA GH200 (Grace Hopper)", (9, 0), "aarch64"),
-    Gpu("b200", "NVIDIA B200", (10, 0)),
-    Gpu("rtx5090", "NVIDIA GeForce RTX 5090", (12, 0)),
-    Gpu("orin", "NVIDIA Jetson Orin (AGX, NX, Nano)", (8, 7), "aarch64", tegra=True),
+    Gpu("t4", "NVIDIA T4", (7, 5), shared_memory=64 * KIB),
+    Gpu("a100", "NVIDIA A100", (8, 0), shared_memory=163 * KIB),
+    Gpu("a10", "NVIDIA A10", (8, 6), shared_memory=99 * KIB),
+    Gpu("a10g", "NVIDIA A10G", (8, 6), shared_memory=99 * KIB),
+    Gpu("rtx3090", "NVIDIA GeForce RTX 3090", (8, 6), shared_memory=99 * KIB),
+    Gpu("l4", "NVIDIA L4", (8, 9), shared_memory=99 * KIB),
+    Gpu("l40s", "NVIDIA L40S", (8, 9), shared_memory=99 * KIB),
+    Gpu("rtx4090", "NVIDIA GeForce RTX 4090", (8, 9), shared_memory=99 * KIB),
+    Gpu("h100", "NVIDIA H100", (9, 0), shared_memory=227 * KIB),
+    Gpu("h200", "NVIDIA H200", (9, 0), shared_memory=227 * KIB),
+    Gpu("gh200", "NVIDIA GH200 (Grace Hopper)", (9, 0), "aarch64", shared_memory=227 * KIB),
+    Gpu("b200", "NVIDIA B200", (10, 0), shared_memory=227 * KIB),
+    Gpu("rtx5090", "NVIDIA GeForce RTX 5090", (12, 0), shared_memory=99 * KIB),
+    Gpu("orin", "NVIDIA Jetson Orin (AGX, NX, Nano)", (8, 7), "aarch64", tegra=True, shared_memory=163 * KIB),
     # Thor reports 11.0 under CUDA 13 (JetPack 7); CUDA 12.8/12.9 called it 10.1.
     Gpu("thor", "NVIDIA Jetson Thor", (11, 0), "aarch64", tegra=True),
 )}
@@ -130,6 +136,14 @@ class KernelImage:
     @property
     def name(self) -> str:
         return f"{'sm' if self.kind == 'sass' else 'compute'}_{self.arch}{self.variant}"
+
+    @classmethod
+    def from_name(cls, name: str, code_version: Tuple[int, int] = (0, 0)) -> "KernelImage":
+        """``sm_90a`` / ``compute_80`` back to an image (what ``KernelTargets.as_dict`` records)."""
+        match = re.fullmatch(r"(sm|compute)_(\d+)([af]?)", name)
+        if match is None:
+            raise ValueError(f"not a kernel image name: {name!r}")
+        return cls("sass" if match[1] == "sm" else "ptx", int(match[2]), match[3], code_version)
 
     def runs_on(self, arch: int, tegra: bool) -> bool:
         """Whether a GPU of ``arch`` (87 for 8.7) runs this image (PTX: the driver permitting its ISA version)."""
@@ -206,11 +220,25 @@ class KernelTargets:
         return [g.name for g in GPUS.values() if self.runs_on(g).ok]
 
     def as_dict(self) -> Dict:
+        """For reports and manifests: the fatbins grouped by the images they hold (AOTInductor gives every kernel
+        the same ones), so a method of hundreds of kernels is a line or two."""
+        groups: Dict[Tuple[str, ...], int] = {}
+        for fatbin in self.fatbins:
+            key = tuple(i.name for i in fatbin)
+            groups[key] = groups.get(key, 0) + 1
+        isa = self.ptx_isa()
         return {"machine": self.machine, "images": self.images(), "kernel_images": len(self.fatbins),
-                "sections": list(self.sections),
-                "ptx_isa": ".".join(map(str, self.ptx_isa())) if self.ptx_isa() else None,
-                "fatbins": [[i.name + (" (compressed)" if i.compressed else "") for i in f] for f in self.fatbins],
+                "sections": list(self.sections), "ptx_isa": f"{isa[0]}.{isa[1]}" if isa else None,
+                "image_sets": [{"images": list(k), "kernels": n} for k, n in groups.items()],
                 "runs_on": self.gpus()}
+
+    @classmethod
+    def from_dict(cls, record: Mapping) -> "KernelTargets":
+        """``as_dict`` read back (a report's audit); what it groups stays grouped, which changes no verdict."""
+        isa = tuple(int(p) for p in record["ptx_isa"].split(".")) if record.get("ptx_isa") else (0, 0)
+        fatbins = [[KernelImage.from_name(n, isa if n.startswith("compute_") else (0, 0)) for n in group["images"]]
+                   for group in record.get("image_sets", []) for _ in range(group["kernels"])]
+        return cls(machine=record.get("machine", "?"), fatbins=fatbins, sections=list(record.get("sections", [])))
 
 
 def ptx_isa_cuda(isa: Tuple[int, int]) -> str:
@@ -327,10 +355,51 @@ def require_runs_on(sos: Mapping[str, Union[Path, bytes]], device: Device, *, ar
     return read
 
 
-def targets_table(read: Mapping[str, KernelTargets]) -> str:
-    """Per method: the kernel images and host read from its .so, and the table's GPUs that run it."""
-    lines = []
-    for method, targets in read.items():
-        lines.append(f"{method}: {targets.text()}; runs on: {', '.join(targets.gpus()) or 'no GPU in the table'}")
-    return "\n".join(lines)
+def runs_on_table(read: Mapping[str, KernelTargets]) -> Dict[str, Dict]:
+    """Per GPU of the table: whether every method runs there (``ok``), ``how`` ("sass", "ptx": some kernel
+    through the driver's JIT) and, when not, ``why`` (of the first method that cannot; worded alike for every GPU
+    it excludes, so that a report can group them)."""
+    table: Dict[str, Dict] = {}
+    for g in GPUS.values():
+        verdicts = {m: t.runs_on(g) for m, t in read.items()}
+        refused = next((m for m, v in verdicts.items() if not v.ok), None)
+        if refused:
+            t = read[refused]
+            why = (f"host {g.machine}; the .so is {t.machine} host code" if t.machine != g.machine
+                   else f"the kernels are {'/'.join(t.images())}")
+            table[g.name] = {"ok": False, "how": "", "why": why}
+        else:
+            how = "ptx" if any(v.how == "ptx" for v in verdicts.values()) else "sass"
+            table[g.name] = {"ok": True, "how": how, "why": ""}
+    return table
+
+
+def runs_on_lines(gpus: Mapping[str, Mapping]) -> List[str]:
+    """``runs_on_table`` in words, the GPUs it excludes grouped by reason."""
+    summary = artifact_summary(gpus)
+    lines = [f"runs on (kernel images and host read from each .so): {', '.join(summary['runs_on']) or 'none'}"]
+    if summary["runs_on_through_ptx_jit"]:
+        lines.append("runs through the driver's JIT compile of its PTX on: "
+                     + ", ".join(summary["runs_on_through_ptx_jit"]))
+    return lines + [f"not on {', '.join(names)}: {why}" for why, names in summary["not_on"].items()]
+
+
+def artifact_summary(gpus: Mapping[str, Mapping], methods: Optional[List[Mapping]] = None) -> Dict:
+    """What a manifest and a model card state, from an audit record (``gpus``: ``runs_on_table``; ``methods``:
+    its methods, each with its ``targets``): the GPUs of the table it runs on as is, through PTX, and not (by
+    reason); with ``methods``, the host machines and kernel images too."""
+    out: Dict = {"runs_on": [n for n, v in gpus.items() if v["ok"] and v["how"] == "sass"],
+                 "runs_on_through_ptx_jit": [n for n, v in gpus.items() if v["ok"] and v["how"] == "ptx"],
+                 "not_on": {}}
+    for name, verdict in gpus.items():
+        if not verdict["ok"]:
+            out["not_on"].setdefault(verdict["why"], []).append(name)
+    if methods is not None:
+        targets = [m.get("targets") or {} for m in methods]
+        out["hosts"] = sorted({t.get("machine", "?") for t in targets})
+        names = {n: KernelImage.from_name(n) for t in targets for n in t.get("images") or []}
+        out["kernel_images"] = sorted(names, key=lambda n: (names[n].kind != "sass", names[n].arch, n))
+        out["ptx_isa"] = max((t["ptx_isa"] for t in targets if t.get("ptx_isa")), default=None,
+                             key=lambda v: tuple(int(p) for p in v.split(".")))
+    return out
 

@@ -68,6 +68,7 @@ from .constant_plan import (ConstantPlan, inductor_follows_plan, plan_constants,
                             sharing_groups)
 from .environ import environ_restored
 from .errors import LoweringError, NoGpuError, ZooError, first_line
+from .lowering_target import check_lowered, local_device, plan_target, target_compile
 from .lowering_workers import LoweredMethod, MethodJob, MethodPart, choose_workers, lower_in_process, lower_in_workers
 from .preflight import PreflightResult, require_kernels
 from .progress import Progress
@@ -175,7 +176,8 @@ class LoweringResult:
                          m.input_order, m.output_order])
         workers = self.workers
         head = (f"{PTE_NAME} {_mib(self.pte_bytes)}, {PTD_NAME} {_mib(self.ptd_bytes)}, "
-                f"lowering {self.seconds:.1f} s wall on {self.gpu.get('name')} (sm_{self.gpu.get('capability')}), "
+                f"lowering {self.seconds:.1f} s wall on {self.gpu.get('name')} (sm_{self.gpu.get('capability')}"
+                + (f"; {self.gpu['target']['words']}" if self.gpu.get("target") else "") + "), "
                 f"{workers.get('count', 1)} at once ({workers.get('why', '')}"
                 f"{', in this process' if workers.get('in_process') else ''})")
         if self.weights.get("segments") is not None:
@@ -334,6 +336,7 @@ def lower_with_partitioner(method: str, program: ExportedProgram, options: Dict[
     """One method through ``partitioner``'s backend (``program`` is consumed: ExecuTorch's lowering changes it).
 
     ``options`` (JSON): ``triton_kernel_mode``, ``max_mm_configs``, ``runtime`` (the preflight's target),
+    ``target`` (``lowering_target.TargetPlan.record()``: the compile settings for another GPU, or None),
     ``preflight`` (run the kernel preflight on the edge program, before compiling), ``constant_plan``
     (``ConstantPlan.as_dict()``: this method's ``.so`` carries exactly the plan's constants, in its order).
     The record: ``io`` (delegate I/O order, output names, mutable buffers), ``preflight``, ``seconds`` per
@@ -348,7 +351,7 @@ def lower_with_partitioner(method: str, program: ExportedProgram, options: Dict[
             return None
         return require_kernels({method: edge_program}, options.get("runtime", "1.2"), triton_kernel_mode=mode)
 
-    with inductor_settings(options.get("max_mm_configs")):
+    with inductor_settings(options.get("max_mm_configs")), target_compile(options.get("target")):
         follow = inductor_follows_plan(plan, plan_values(program, plan)) if plan else contextlib.nullcontext([])
         with follow as tables:
             try:
@@ -437,6 +440,10 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
     backend compiling for the CPU)."""
     gpu = cuda_device_info() if method_lowering.needs_gpu else {
         "name": f"no GPU ({method_lowering.function})", "capability": None}
+    # A target GPU other than this one: refused here when this machine cannot lower for it (zoo.lowering_target).
+    plan = plan_target(recipe.lowering.target, local_device()) if method_lowering.needs_gpu else None
+    if plan is not None:
+        gpu["target"] = {**plan.record(), "words": plan.words()}
     ensure_flatc()
     run = RunFolder(run)
     run.path.mkdir(parents=True, exist_ok=True)
@@ -467,7 +474,8 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
                                     per_worker_bytes=[WORKER_MEMORY_FACTOR * carried[m] + WORKER_MEMORY_BASE
                                                       for m in start_order])
         options = {"triton_kernel_mode": lowering.triton_kernel_mode, "max_mm_configs": lowering.max_mm_configs,
-                   "runtime": lowering.runtime, "preflight": run_preflight}
+                   "runtime": lowering.runtime, "preflight": run_preflight,
+                   "target": plan.record() if plan is not None else None}
         method_options = {m: {**options, "constant_plan": method_plan[m].as_dict() if m in method_plan else None}
                           for m in methods}
         say(f"lowering {', '.join(methods)}: {count} at once ({why}); constant plan: {plan_record['why']}")
@@ -496,6 +504,8 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
                 path.unlink()
         stage_seconds["methods"] = compile_seconds = round(time.perf_counter() - mark, 3)
         methods_record, ptd_summary = _assemble(parts, run, stage_seconds)
+        # What was asked, read back from the binary: every kernel carries SASS for the target.
+        check_lowered(plan, {m: run.path / a.so for m, a in methods_record.items()})
         preflights = [PreflightResult.from_dict(p.record["preflight"]) for p in parts.values()
                       if p.record.get("preflight")]
         failed = False

@@ -207,6 +207,34 @@ def _audit_section(manifest: Mapping[str, Any]) -> List[str]:
     return out + _weights_section(manifest.get("audit"), manifest.get("verification"))
 
 
+def _gpu_section(manifest: Mapping[str, Any]) -> List[str]:
+    """Which GPUs and hosts run the artifact, as the audit read it from each method's .so (manifest ``gpu``)."""
+    gpu = manifest.get("gpu") or {}
+    kernels = gpu.get("kernels")
+    out = ["## Which GPUs and hosts can run it", ""]
+    if not isinstance(kernels, Mapping):
+        return out + [f"Kernels compiled for {_gpu_words(gpu.get('built_for') or {})}; which other GPUs run them was "
+                      "not recorded.", ""]
+    images = ", ".join(f"`{i}`" for i in kernels.get("kernel_images") or []) or "none"
+    hosts = ", ".join(kernels.get("hosts") or []) or "?"
+    out += [f"Read from the compiled code itself: the kernels are {images} (SASS `sm_*` runs as is, PTX `compute_*` "
+            f"is compiled by the driver), built for {_gpu_words(gpu.get('built_for') or {})}; the host code is "
+            f"{hosts}.", ""]
+    rows = [["GPUs (zoo's names)", "runs"]]
+    if kernels.get("runs_on"):
+        rows.append([", ".join(kernels["runs_on"]), "yes"])
+    if kernels.get("runs_on_through_ptx_jit"):
+        isa = kernels.get("ptx_isa")
+        rows.append([", ".join(kernels["runs_on_through_ptx_jit"]), "yes, through the driver's JIT compile of the "
+                     "PTX" + (f" (PTX ISA {isa}: a recent enough driver)" if isa else "")])
+    rows += [[", ".join(names), f"no: {why}"] for why, names in (kernels.get("not_on") or {}).items()]
+    out += [markdown_table(rows), "",
+            "zoo's loaders (the policy runner, verification, `zoo_runner`) read this before loading and refuse a "
+            "GPU or host it does not fit, saying what to do: lower the run for that GPU (`python -m zoo.lower "
+            "RUN_DIR --target NAME`, or on the machine itself; a Jetson always lowers on the device).", ""]
+    return out
+
+
 def _weights_section(audit: Any, verification: Any = None) -> List[str]:
     """What the audit found about the weights: the .ptd against one copy, and per release what loading every
     method costs on the GPU (zoo.audit's ``weights`` and per-release ``caveats``; read in each runtime's source,
@@ -476,13 +504,16 @@ def _provenance_section(manifest: Mapping[str, Any]) -> List[str]:
     source = manifest.get("source") or {}
     versions = manifest.get("versions") or {}
     built = (manifest.get("gpu") or {}).get("built_for") or {}
+    lowered = (manifest.get("gpu") or {}).get("lowered_on") or {}
     overrides = manifest.get("overrides") or []
     out = ["## How it was made", "",
            f"- Recipe `{recipe.get('name', '?')}`" + (f" with overrides {', '.join(f'`{o}`' for o in overrides)}"
                                                        if overrides else " without overrides") + ".",
            f"- Source checkpoint `{source.get('repo_id')}`, revision `{source.get('revision')}`, commit "
            f"`{source.get('commit')}`.",
-           f"- Kernels compiled for {_gpu_words(built)}. Other GPU architectures need a fresh export.",
+           f"- Kernels compiled for {_gpu_words(built)}"
+           + (f", lowered on {_gpu_words(lowered)}" if lowered and lowered != built else "")
+           + ". Other GPUs: see which run it above; the rest need a fresh lowering.",
            "- Versions: " + ", ".join(f"{k} {v if v else 'not installed'}" for k, v in versions.items()) + ".",
            ""]
     rewrites = manifest.get("rewrites") or {}
@@ -529,6 +560,7 @@ def render_card(manifest: Mapping[str, Any], io_spec: Mapping[str, Any], host_se
     out += _computes_section(manifest, io_spec, note)
     out += _host_section(host_settings, processors, note)
     out += _audit_section(manifest)
+    out += _gpu_section(manifest)
     out += _verification_section(manifest)
     out += _policy_check_section(manifest)
     out += _chunk_latency_section(manifest)
