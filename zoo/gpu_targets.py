@@ -304,7 +304,7 @@ def read_targets(so: Union[Path, bytes], what: str = "") -> KernelTargets:
                  if s["sh_type"] != "SHT_NOBITS" and s["sh_size"]]
     except ELFError as exc:
         raise LoweringError(f"{label} is not an ELF shared library: {exc}",
-                            "pass a .so compiled by AOTInductor, a CUDA .pte that holds them, or a run folder") from None
+                            "pass a .so compiled by AOTInductor, a CUDA .pte holding them, or a run folder") from None
     except Exception as exc:  # a damaged ELF makes pyelftools fail in many ways (struct, index, unicode errors)
         raise LoweringError(f"{label} is a damaged ELF library ({type(exc).__name__}: {exc})",
                             "the file is truncated or corrupted: lower the run again, or pass the original") from None
