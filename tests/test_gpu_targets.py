@@ -251,3 +251,51 @@ def test_the_artifact_backend_refuses_every_method_before_loading_any(fake_a100,
     with pytest.raises(GpuTargetMismatch) as info:
         backends.make_backend("artifact", run, "cuda")
     assert "method 'video_step'" in info.value.message and str(run.path) in info.value.hint
+
+
+# --- what the audit, the manifest and the model card state ------------------------------------------------------
+
+
+def test_the_audit_states_each_methods_host_kernels_and_the_gpus_that_run_it():
+    from zoo import audit
+
+    result = audit.audit_artifact(H200)
+    method = result.methods[0]
+    assert method.targets["machine"] == "x86_64" and method.targets["images"] == ["sm_90a", "compute_90a"]
+    assert method.targets["image_sets"] == [{"images": ["sm_90a", "compute_90a"], "kernels": 2}]
+    assert [g for g, v in result.gpus().items() if v["ok"]] == ["h100", "h200"]
+    table = result.table()
+    assert "x86_64" in table and "sm_90a/compute_90a x2" in table
+    assert "- not on gh200, orin, thor: host aarch64; the .so is x86_64 host code" in table
+    # what a report keeps reads back to the same verdicts
+    back = gpu_targets.KernelTargets.from_dict(method.targets)
+    here = gpu_targets.read_targets(H200)
+    for arch in (80, 86, 87, 89, 90, 100, 120):
+        tegra = arch in gpu_targets.TEGRA_ARCHS
+        assert back.verdict(arch, tegra) == here.verdict(arch, tegra), arch
+
+
+def test_the_manifest_and_the_card_state_the_target_and_what_runs_it():
+    from test_model_card import manifest as card_manifest
+    from zoo import audit, lowering_target
+    from zoo.manifest import gpus_section
+    from zoo.model_card import render_card
+
+    plan = lowering_target.plan_target("a100", H200_DEVICE)
+    data = {"lowering": {"gpu": {"name": "NVIDIA H200", "capability": "90", "target": plan.record()}},
+            "audit": audit.audit_artifact(A100).summary(),
+            "verification": {"gpu": {"name": "NVIDIA H200", "capability": "90"}}}
+    gpu = gpus_section(data)
+    assert gpu["built_for"] == {"name": "NVIDIA A100", "compute_capability": "8.0"}
+    assert gpu["lowered_on"] == {"name": "NVIDIA H200", "compute_capability": "9.0"} and gpu["target"] == "a100"
+    kernels = gpu["kernels"]
+    assert kernels["kernel_images"] == ["sm_80", "compute_80"] and kernels["hosts"] == ["x86_64"]
+    assert kernels["runs_on"] == ["a100", "a10", "a10g", "rtx3090", "l4", "l40s", "rtx4090"]
+    assert kernels["runs_on_through_ptx_jit"] == ["h100", "h200", "b200", "rtx5090"]
+    assert kernels["not_on"] == {"the kernels are sm_80/compute_80": ["t4"],
+                                 "host aarch64; the .so is x86_64 host code": ["gh200", "orin", "thor"]}
+    card = render_card(card_manifest(gpu=gpu), {}, {}, "org/tiny")
+    assert "## Which GPUs and hosts can run it" in card
+    assert "the kernels are `sm_80`, `compute_80`" in card and "NVIDIA A100 (compute capability 8.0, sm_80)" in card
+    assert "| h100, h200, b200, rtx5090 | yes, through the driver's JIT compile of the PTX (PTX ISA 8.7" in card
+    assert "lowered on NVIDIA H200 (compute capability 9.0, sm_90)" in card
