@@ -299,3 +299,26 @@ def test_the_manifest_and_the_card_state_the_target_and_what_runs_it():
     assert "the kernels are `sm_80`, `compute_80`" in card and "NVIDIA A100 (compute capability 8.0, sm_80)" in card
     assert "| h100, h200, b200, rtx5090 | yes, through the driver's JIT compile of the PTX (PTX ISA 8.7" in card
     assert "lowered on NVIDIA H200 (compute capability 9.0, sm_90)" in card
+
+
+def test_the_cuda_release_named_for_a_ptx_isa_version_is_the_first_whose_driver_takes_it():
+    # Triton keeps NVIDIA's table the other way round: the newest PTX ISA each CUDA release takes.
+    compiler = pytest.importorskip("triton.backends.nvidia.compiler")
+    releases = ["12.0", "12.1", "12.2", "12.3", "12.4", "12.5", "12.6", "12.7", "12.8", "12.9", "13.0", "13.1"]
+    for isa in [(8, 0), (8, 3), (8, 5), (8, 6), (8, 7), (8, 8), (9, 0), (9, 1)]:
+        first = gpu_targets.ptx_isa_cuda(isa)
+        takes = [r for r in releases if compiler.ptx_get_version(r) >= isa[0] * 10 + isa[1]]
+        assert first == takes[0], isa
+
+
+def test_nvcc_built_code_in_nv_fatbin_reads_as_cuobjdump_reads_the_library(tmp_path):
+    # nvcc_kernels.so: sm_87 SASS (Orin) + compute_80 PTX, in .nv_fatbin (build_kernel_fixtures.py says how)
+    so = FIXTURES / "nvcc_kernels.so"
+    read = gpu_targets.read_targets(so)
+    assert read.sections == [".nv_fatbin"] and read.machine == "x86_64"
+    tool = _cuobjdump()
+    if tool:  # cuobjdump finds .nv_fatbin in the library by itself
+        assert [(i.kind, f"{i.arch}{i.variant}") for f in read.fatbins for i in f] == _cuobjdump_images(tool, so)
+    # two containers: nvlink's device-link image (sm_87 SASS only) and the kernels' (sm_87 SASS + compute_80 PTX)
+    assert [[i.name for i in f] for f in read.fatbins] == [["sm_87"], ["sm_87", "compute_80"]]
+    assert read.verdict(87, True).how == "sass"  # on an Orin the SASS runs as is

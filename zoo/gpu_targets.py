@@ -22,6 +22,8 @@ What runs where (NVIDIA's CUDA compatibility rules, "a" and "f" targets from CUD
 - sm_XYa SASS and compute_XYa PTX run on X.Y only; sm_XYf / compute_XYf on X.Z with Z >= Y.
 - PTX compute_XY is compiled by the driver (JIT) on any GPU of X.Y or newer, Tegra included, when the driver
   knows the PTX ISA version it was written in.
+A method runs on a GPU when every fatbin in its ``.so`` has an image that GPU runs: right for AOTInductor, whose
+fatbins are one per kernel; strict for nvcc-built libraries, whose device-link container may hold no kernel.
 Triton writes sm_90a code for every GPU of 9.0 and newer (``sm_arch_from_capability``), so an artifact lowered on
 an H200 holds sm_90a + compute_90a: it runs on H100/H200/GH200 (with an x86-64 host: GH200 is aarch64) and on
 nothing newer, not even through its PTX.

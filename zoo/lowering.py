@@ -441,7 +441,8 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
     gpu = cuda_device_info() if method_lowering.needs_gpu else {
         "name": f"no GPU ({method_lowering.function})", "capability": None}
     # A target GPU other than this one: refused here when this machine cannot lower for it (zoo.lowering_target).
-    plan = plan_target(recipe.lowering.target, local_device()) if method_lowering.needs_gpu else None
+    target = recipe.lowering.target if method_lowering.needs_gpu else None
+    plan = plan_target(target, local_device()) if target else None
     if plan is not None:
         gpu["target"] = {**plan.record(), "words": plan.words()}
     ensure_flatc()
