@@ -207,7 +207,9 @@ class KernelTargets:
             return Verdict(True, "sass", "no GPU code of its own")
         if jit:
             isa = self.ptx_isa()
-            need = f" (PTX ISA {isa[0]}.{isa[1]}: a driver of CUDA {ptx_isa_cuda(isa)} or newer)" if isa else ""
+            cuda = ptx_isa_cuda(isa) if isa else None
+            need = (f" (PTX ISA {isa[0]}.{isa[1]}: a driver of CUDA {cuda} or newer)" if cuda
+                    else f" (PTX ISA {isa[0]}.{isa[1]}: a driver that knows it)" if isa else "")
             return Verdict(True, "ptx", f"through the driver's JIT compile of its PTX{need}")
         return Verdict(True, "sass", "its SASS runs as is")
 
@@ -243,10 +245,11 @@ class KernelTargets:
         return cls(machine=record.get("machine", "?"), fatbins=fatbins, sections=list(record.get("sections", [])))
 
 
-def ptx_isa_cuda(isa: Tuple[int, int]) -> str:
+def ptx_isa_cuda(isa: Tuple[int, int]) -> Optional[str]:
+    """The first CUDA release whose driver compiles PTX of ISA version ``isa``; None for one not in the table."""
     if isa in PTX_ISA_CUDA:
         return PTX_ISA_CUDA[isa]
-    return f"12.{isa[1]}" if isa[0] == 8 and isa[1] < 5 else f"(PTX ISA {isa[0]}.{isa[1]})"
+    return f"12.{isa[1]}" if isa[0] == 8 and isa[1] < 5 else None
 
 
 # --- reading the binary ---------------------------------------------------------------------------------------
