@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -34,7 +35,7 @@ from zoo.report import format_table  # noqa: E402
 from zoo.run_folder import RunFolder  # noqa: E402
 
 RECIPE = "llama-rope-tiny"
-TESTS = ["tests/gpu/test_gpu_targets.py", "tests/test_gpu_targets.py", "tests/test_gpu_targets_cpp.py",
+TESTS = ["tests/gpu/test_gpu_lowering_targets.py", "tests/test_gpu_targets.py", "tests/test_gpu_targets_cpp.py",
          "tests/test_lowering_target.py"]
 
 
@@ -170,6 +171,7 @@ def main() -> int:
     ok = all(s["rc"] == 0 for s in steps.values()) and refusal["refused"] == (device.arch != 80)
     ok = ok and all(f["verified"] for f in produced.values())
     if args.tests:
+        os.environ["ZOO_TARGET_RUNS"] = str(out)  # the GPU tests reuse native/ and a100/
         tests = run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *TESTS],
                     out / "tests.log", timeout=1800)
         texts += [f"## Tests: `{tests['cmd']}` exit {tests['rc']}", "", "```",

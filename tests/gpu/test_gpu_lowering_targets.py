@@ -2,12 +2,15 @@
 an older GPU (``lowering.target=a100``) verified here through the driver's JIT compile of its PTX.
 
 The recipe is exported once (the CPU steps), copied, and each copy lowered: for this GPU and for the A100.
+``ZOO_TARGET_RUNS=DIR`` reuses DIR/native and DIR/a100 where they hold lowered runs (what
+``scripts/gpu_targets_check.py --out DIR`` leaves), so that script's --tests does not lower them twice.
 References: cuobjdump (the copy Triton ships) on every fatbin in each method's .so; this GPU's compute capability
 from torch; ``platform.machine()`` for the host; eager PyTorch for verification (the pipeline's own stage).
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 from pathlib import Path
@@ -25,25 +28,37 @@ from zoo.run_folder import RunFolder  # noqa: E402
 from runner_helpers import export_run  # noqa: E402
 from test_gpu_targets import _cuobjdump, _cuobjdump_images  # noqa: E402
 
-ARCH = torch.cuda.get_device_capability()[0] * 10 + torch.cuda.get_device_capability()[1]
+_CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+ARCH = _CAPABILITY[0] * 10 + _CAPABILITY[1]
 # Triton writes arch-specific code from 9.0 on (sm_arch_from_capability), AOTInductor's nvcc step likewise.
 VARIANT = "a" if ARCH >= 90 else ""
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("targets") / "exported"
-    export_run(load_recipe("llama-rope-tiny"), run)
-    return run
+def exported(tmp_path_factory):
+    """``make(name, overrides)``: llama-rope-tiny lowered as ``name`` (a reused run, or the CPU steps' output,
+    made once, copied and lowered here)."""
+    work = tmp_path_factory.mktemp("targets")
+    given = os.environ.get("ZOO_TARGET_RUNS")
+
+    def make(name: str, overrides=()) -> RunFolder:
+        if given and RunFolder(Path(given) / name).pte.is_file():
+            return RunFolder(Path(given) / name)
+        source = work / "exported"
+        if not source.is_dir():
+            export_run(load_recipe("llama-rope-tiny"), source)
+        run = work / name
+        if not RunFolder(run).pte.is_file():
+            shutil.copytree(source, run)
+            report = pipeline.lower_run(run, list(overrides))
+            assert report.get("status") == "verified", report.get("error")
+        return RunFolder(run)
+
+    return make
 
 
-def lowered(exported: Path, name: str, overrides=()) -> RunFolder:
-    run = exported.parent / name
-    if not RunFolder(run).pte.is_file():
-        shutil.copytree(exported, run)
-        report = pipeline.lower_run(run, list(overrides))
-        assert report.get("status") == "verified", report.get("error")
-    return RunFolder(run)
+def lowered(exported, name: str, overrides=()) -> RunFolder:
+    return exported(name, overrides)
 
 
 def cuobjdump_check(run: RunFolder, tmp_path: Path) -> list:
