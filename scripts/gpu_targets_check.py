@@ -121,14 +121,15 @@ def target_rows(device: gpu_targets.Device, produced: Dict[str, Dict]) -> List[L
         if facts:
             verified = (f"yes, {'through the PTX JIT' if facts['ran_here_as'] == 'ptx' else 'SASS as is'}"
                         if facts["verified"] else f"NO ({facts['status']}: {facts['error']})")
-            left = "running on the target GPU itself"
+            left = ("nothing: this GPU is one" if g.arch == device.arch and g.machine == device.machine
+                    else f"a run on a {g.label} itself (its SASS as is)")
             rows.append([g.name, str(g.arch), g.machine, "yes", "/".join(facts["images"]) + " " + ",".join(
                 facts["hosts"]), verified, left])
         elif can.startswith("yes"):
             rows.append([g.name, str(g.arch), g.machine, f"can be ({plan.mode}; not run by this script)", "-", "-",
                          f"`--target {g.name}` here, then a run on a {g.label}"])
         else:
-            rows.append([g.name, str(g.arch), g.machine, "no", "-", "-", why_not])
+            rows.append([g.name, str(g.arch), g.machine, "no", "-", "-", f"lowering and running it there: {why_not}"])
     return rows
 
 
