@@ -68,7 +68,7 @@ from .constant_plan import (ConstantPlan, inductor_follows_plan, plan_constants,
                             sharing_groups)
 from .environ import environ_restored
 from .errors import LoweringError, NoGpuError, ZooError, first_line
-from .lowering_target import check_lowered, local_device, plan_target, target_compile
+from .lowering_target import NATIVE, check_lowered, local_device, plan_target, target_compile
 from .lowering_workers import LoweredMethod, MethodJob, MethodPart, choose_workers, lower_in_process, lower_in_workers
 from .preflight import PreflightResult, require_kernels
 from .progress import Progress
@@ -481,7 +481,10 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
                           for m in methods}
         say(f"lowering {', '.join(methods)}: {count} at once ({why}); constant plan: {plan_record['why']}")
         mark = time.perf_counter()
-        if count == 1:
+        # Another GPU's compile settings go to worker processes only: a fresh process has no cache of this GPU's
+        # properties that Inductor or Triton filled before (zoo.lowering_target).
+        in_process = count == 1 and (plan is None or plan.mode == NATIVE)
+        if in_process:
             # In this process: programs read from files are ours to consume; the caller's are copied unless
             # handed over (to_edge_transform_and_lower changes the program it lowers).
             jobs = [MethodJob(m, in_memory[m] if consume or not isinstance(programs[m], ExportedProgram)
@@ -529,7 +532,7 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
         ptd_bytes=run.ptd.stat().st_size if run.ptd.exists() else 0, seconds=round(time.perf_counter() - start, 3),
         compile_seconds=compile_seconds, methods=methods_record, options=options, gpu=gpu,
         preflight=PreflightResult.merged(preflights).as_dict() if preflights else None,
-        workers={"count": count, "why": why, "in_process": count == 1}, weights=weights,
+        workers={"count": count, "why": why, "in_process": in_process}, weights=weights,
         stage_seconds=stage_seconds)
 
 
