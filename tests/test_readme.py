@@ -37,6 +37,9 @@ KINDS = {
     "python -m zoo bundle BUNDLE --have-file scripts/have/h200-cuda-image.txt --recipe llama-rope-tiny "
     "--recipe lingbot-va-tiny --recipe fast-wam-tiny": "network: pip downloads wheels",
     "tools/gpu_check.sh BUNDLE llama-rope-tiny lingbot-va-tiny fast-wam-tiny": "gpu",
+    "python -m zoo lower runs/llama-rope-tiny --target a100": "gpu: an H100/H200 lowering for the A100",
+    "python -m zoo audit runs/llama-rope-tiny": "gpu: audits the lowered artifact",
+    "python tools/gpu_targets_check.py --out /tmp/targets --tests": "gpu: lowers and verifies on this GPU",
     # The deploy commands need a fast-wam-tiny run folder (an export with LeRobot's policy check, minutes here);
     # tests/runner/test_deploy_cli.py and tests/runner/test_fast_wam_runner.py drive the same code on one.
     'python -m zoo prompt runs/fast-wam-tiny "pick up the bowl"': "a fast-wam-tiny run folder",

@@ -15,7 +15,10 @@
 //           {"ready": true, ...} line, then answers each command with one JSON line as soon as it is done, so a
 //           caller can drive it over a pipe (zoo/et_runtime.py does).
 // Both end with one JSON summary line on stdout. ExecuTorch's own log (compiled in) goes to stderr.
-// Exit status: 0 ok, 2 bad command line or input file, 3 the program or a method failed to load, 4 a call failed.
+// Before loading, the kernels and host code in model.pte are checked against this GPU and host (gpu_targets.h): an
+// artifact lowered for another GPU is refused with stage "gpu_target" and what to do.
+// Exit status: 0 ok, 2 bad command line or input file, 3 the program or a method failed to load (or cannot run on
+// this GPU), 4 a call failed.
 //
 // On the GPU (ExecuTorch 1.2's CUDA backend, backends/cuda/runtime/cuda_backend.cpp): every method of the program
 // is put in the backend's skip_copy_output_to_cpu_for_method list, so outputs stay on the GPU and zoo_runner copies
@@ -61,6 +64,7 @@
 #endif
 
 #include "device_values.h"
+#include "gpu_targets.h"
 #include "tensor_file.h"
 
 namespace {
@@ -380,6 +384,35 @@ std::string gpu_name() {
 
 double ms_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Whether this GPU and host can run the artifact's kernels and host code, read from model.pte's bytes before
+// ExecuTorch loads it (gpu_targets.h): "" when they can, or when there is no GPU to ask (loading then says so);
+// else why, and what to do. Sets `kernels` to the kernel images found.
+std::string check_gpu_targets(const std::string& model, std::string* kernels) {
+#ifdef ZOO_RUNNER_CUDA
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
+    return "";
+  }
+  std::string read_error;
+  const zoo::BinaryTargets targets = zoo::scan_file(model, &read_error);
+  if (!read_error.empty()) {
+    return "";  // the load names an unreadable file itself
+  }
+  std::set<std::string> names;
+  for (const auto& fatbin : targets.fatbins) {
+    for (const auto& image : fatbin) names.insert(image.name());
+  }
+  for (const auto& n : names) {
+    *kernels += (kernels->empty() ? "" : "/") + n;
+  }
+  return zoo::check_targets(targets, prop.major * 10 + prop.minor, prop.name, zoo::this_machine());
+#else
+  (void)model;
+  (void)kernels;
+  return "";
+#endif
 }
 
 // --- tensors in and out ----------------------------------------------------------------------------------------------
@@ -1166,6 +1199,15 @@ int main(int argc, char** argv) {
   const std::string gpu = gpu_name();
   if (!gpu.empty()) {
     summary.str("gpu", gpu);
+  }
+  std::string kernels;
+  const std::string target_error = check_gpu_targets(o.model, &kernels);
+  if (!kernels.empty()) {
+    summary.str("kernels", kernels);
+  }
+  if (!target_error.empty()) {
+    emit(summary.boolean("ok", false).str("stage", "gpu_target").str("error", target_error));
+    return kExitLoad;
   }
   const GpuMemory before = gpu_memory();  // the first CUDA call creates the context: "before" includes it
   double load_ms = 0;

@@ -4,8 +4,10 @@ It needs no lerobot: everything comes from the run folder the export step wrote 
 rewritten.<method>.pt2 to lower, exported.<method>.pt2 as the eager reference, reference_fp32.<method>.pt2 for
 bf16). Steps (``zoo.export.stages``), each recorded into the run's report.json / report.md:
   preflight  fallback kernels the programs need vs the target runtime (CPU; refuses before the compile)
-  lower      model.pte + aoti_cuda_blob.ptd, so/<method>.so + weights blob + io.json (needs a GPU)
-  audit      which ExecuTorch CUDA runtime releases can load each method's .so
+  lower      model.pte + aoti_cuda_blob.ptd, so/<method>.so + weights blob + io.json (needs a GPU); --target
+             lowers for another GPU where this machine can (zoo.export.lower.target), and refuses where it cannot
+  audit      which ExecuTorch CUDA runtime releases can load each method's .so, and which GPUs and hosts run
+             it (read from its kernels and host code)
   verify     the shipped artifact against eager at every seed and size (needs a GPU), on torch's AOTI runner
              and ExecuTorch's C++ runtime (--runtime; the runtime from --et-runner or $ZOO_ET_RUNNER)
 The new artifact is staged beside the run (the run's programs are hard-linked, not copied) and moved into place
@@ -23,6 +25,7 @@ from zoo.cli import common as cli
 from zoo.export.pipeline import lower_run
 from zoo.core.progress import setup_logging
 from zoo.export.verify_runtimes import add_runtime_arguments, runner_from_arguments, runtime_overrides
+from zoo.contract.gpu_targets import GPUS
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -37,6 +40,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             "failed to load or run it where the audit said it can"})
     parser.add_argument("run_dir", type=Path, help="a run folder written by `python -m zoo.export`")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. lowering.max_mm_configs=4")
+    parser.add_argument("--target", metavar="GPU", choices=list(GPUS),
+                        help="the GPU the artifact is for (default: this one): " + ", ".join(GPUS) + ". A GPU "
+                             "older than this one and below compute capability 9.0 (a100, a10g, l4 on an H200) is "
+                             "lowered here as its SASS + PTX and verified here through the driver's JIT; a Jetson "
+                             "(orin, thor) is lowered on the Jetson itself (README, 'GPU targets and Jetson')")
     parser.add_argument("--no-verify", action="store_true", help="lower and audit only")
     parser.add_argument("--verify-only", action="store_true", help="audit and verify the artifact already there")
     add_runtime_arguments(parser)
@@ -51,7 +59,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def command() -> int:
         try:
             with runner_from_arguments(args):
-                report = lower_run(args.run_dir, list(args.overrides) + runtime_overrides(args),
+                target = [f"lowering.target={args.target}"] if args.target else []
+                report = lower_run(args.run_dir, list(args.overrides) + runtime_overrides(args) + target,
                                    verify=not args.no_verify, lower=not args.verify_only, force=args.force,
                                    verbose=args.verbose)
         except BaseException as exc:

@@ -29,6 +29,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from zoo import policies
 from zoo.core.errors import RecipeError
 from zoo.core.progress import warn
+from zoo.contract.gpu_targets import GPUS
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -85,6 +86,9 @@ class Lowering:
     # Methods lowered at once, each in its own worker process (None: one per method, as the machine's cores and
     # memory allow; 1: one after another in the zoo process, for debugging). ZOO_LOWERING_WORKERS overrides it.
     workers: Optional[int] = None
+    # The GPU the artifact is for, by name (zoo.contract.gpu_targets.GPUS: a100, l4, orin, ...); None: the GPU lowering
+    # runs on. `python -m zoo lower RUN_DIR --target NAME` sets it; zoo.export.lower.target says what can work.
+    target: Optional[str] = None
 
 
 @dataclass
@@ -186,6 +190,9 @@ class Recipe:
         need(self.lowering.triton_kernel_mode in ("ON", "OFF"), "lowering.triton_kernel_mode",
              self.lowering.triton_kernel_mode, ("ON", "OFF"))
         need(self.lowering.kv_pool in ("buffer", "io"), "lowering.kv_pool", self.lowering.kv_pool, ("buffer", "io"))
+        if self.lowering.target is not None:
+            need(str(self.lowering.target).lower() in GPUS, "lowering.target", self.lowering.target, list(GPUS))
+            self.lowering.target = str(self.lowering.target).lower()
         for name in self.rewrites:
             need(name in rewrites.names(), "rewrites", name, rewrites.names())
         if len(set(self.rewrites)) != len(self.rewrites):

@@ -121,7 +121,7 @@ class RuntimeRequirement:
                        inferred=bool(data.get("inferred", False)))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ZooError(f"{where} is not a runtime requirement ({type(exc).__name__}: {exc})",
-                           "lower the run again (`python -m zoo.lower RUN_DIR`) to rewrite it") from None
+                           "lower the run again (`python -m zoo lower RUN_DIR`) to rewrite it") from None
 
     def describe(self) -> str:
         io = ("graph inputs and outputs are not memory-planned: state stays on the GPU between calls"

@@ -103,6 +103,11 @@ class RuntimeCallFailed(ZooError):
     """ExecuTorch's C++ runtime could not load the artifact or a call failed; its log says why."""
 
 
+class GpuTargetMismatch(ZooError):
+    """The artifact's compiled code cannot run on this GPU or host (read from its .so before loading it), or a
+    lowering was asked for a GPU or host this machine cannot compile for."""
+
+
 class StorageError(ZooError):
     """The machine could not write (or read) a file: disk full, quota, read-only, permissions, I/O error."""
 

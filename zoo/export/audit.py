@@ -11,6 +11,9 @@ It also says what each release does with the weights (``weights_facts``, read fr
 (byte-identical: ``zoo.export.lower.constant_plan``), and the GPU memory the weights take once every method is loaded, as
 each release's CUDA backend loads them (by reading its source; the measured numbers are in docs/gpu-results.md).
 
+It also reads which GPUs and hosts can run each method (``zoo.contract.gpu_targets``): the host machine of the ``.so`` and
+the architecture of every kernel image embedded in it (SASS, PTX), against zoo's table of GPUs.
+
 ``python -m zoo audit PATH [--json] [--require RELEASE]``: PATH is a run folder, any CUDA ``.pte`` written by
 ExecuTorch 1.2 (with or without its ``.ptd``; only the ``.so`` matters for loading), or a single ``.so``.
 """
@@ -38,6 +41,7 @@ from zoo.core.errors import (
 from zoo.core.report import format_table
 from zoo.contract.run_folder import SO_DIR, RunFolder
 from zoo.contract.releases import Release, load_runtimes
+from zoo.contract.gpu_targets import KernelTargets, read_targets, runs_on_lines, runs_on_table
 
 SYMBOL_PREFIX = "aoti_torch_"
 INFERRED = "inferred from symbols"
@@ -80,9 +84,13 @@ class MethodAudit:
     symbols: List[str]
     dtypes: List[str]
     missing: Dict[str, List[str]]  # release -> symbols it lacks
+    targets: Dict = field(default_factory=dict)  # KernelTargets.as_dict(): host machine, kernel images, GPUs
 
     def loadable(self, release: str) -> bool:
         return not self.missing[release]
+
+    def kernel_targets(self) -> KernelTargets:
+        return KernelTargets.from_dict(self.targets)
 
 
 @dataclass
@@ -120,7 +128,12 @@ class AuditResult:
             "notes": list(self.notes),
             "findings": list(self.findings),
             "weights": self.weights,
+            "gpus": self.gpus(),
         }
+
+    def gpus(self) -> Dict[str, Dict]:
+        """Per GPU of zoo's table: whether every method's kernels and host code run there, and how."""
+        return runs_on_table({m.method: m.kernel_targets() for m in self.methods})
 
     def summary(self) -> Dict:
         """The run report's ``audit`` section; no machine path (reports and manifests get published)."""
@@ -131,8 +144,9 @@ class AuditResult:
     def table(self, title: bool = False) -> str:
         """The audit tables; ``title`` names the audited path first (the command line). Reports leave it out:
         the pipeline audits a staging folder whose name means nothing once the run is moved into place."""
-        methods = format_table([["method", ".so bytes", "aoti_torch symbols", "dtypes"]]
-                               + [[m.method, m.so_bytes, len(m.symbols), ", ".join(m.dtypes)] for m in self.methods])
+        methods = format_table([["method", ".so bytes", "aoti_torch symbols", "dtypes", "host", "kernel images"]]
+                               + [[m.method, m.so_bytes, len(m.symbols), ", ".join(m.dtypes),
+                                   m.targets.get("machine", "?"), _kernels_cell(m.targets)] for m in self.methods])
         rows = [["release", "version", "loadable", "missing symbols", "tested"]]
         marks: Dict[str, int] = {}  # caveat text -> its footnote number
         for release, version in self.releases.items():
@@ -145,6 +159,7 @@ class AuditResult:
             text += "\n" + "\n".join(f"[{n}] {caveat}" for caveat, n in marks.items())
         if title:
             text = f"runtime audit of {Path(self.path).name}\n{text}"
+        text += "\n\n" + "\n".join(f"- {line}" for line in runs_on_lines(self.gpus()))
         if self.weights:
             text += "\n\n" + "\n".join(f"- {line}" for line in weights_lines(self.weights))
         if self.notes:
@@ -158,10 +173,18 @@ class AuditResult:
 
 
 def audit_so(data: bytes, method: str, runtimes: Dict[str, Release], where: str = "") -> MethodAudit:
-    symbols = undefined_aoti_symbols(data, what=f"the .so of method {method!r}" + (f" in {where}" if where else ""))
+    what = f"the .so of method {method!r}" + (f" in {where}" if where else "")
+    symbols = undefined_aoti_symbols(data, what=what)
     dtypes = sorted(s[len(DTYPE_PREFIX):] for s in symbols if s.startswith(DTYPE_PREFIX))
     missing = {name: sorted(set(symbols) - rel.symbols) for name, rel in runtimes.items()}
-    return MethodAudit(method=method, so_bytes=len(data), symbols=symbols, dtypes=dtypes, missing=missing)
+    return MethodAudit(method=method, so_bytes=len(data), symbols=symbols, dtypes=dtypes, missing=missing,
+                       targets=read_targets(data, what=what).as_dict())
+
+
+def _kernels_cell(targets: Dict) -> str:
+    images = "/".join(targets.get("images") or []) or "none"
+    return f"{images} x{targets.get('kernel_images', 0)}" if targets.get("kernel_images") else images
+
 
 
 def _method_sos(path: Path) -> Dict[str, bytes]:

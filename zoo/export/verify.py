@@ -293,7 +293,7 @@ def full_fp32_precision() -> Iterator[None]:
 def _default_device() -> str:
     if not torch.cuda.is_available():
         raise NoGpuError("verifying the artifact needs a CUDA device and none is visible",
-                         "run `python -m zoo.lower RUN_DIR` on the machine with the GPU")
+                         "run `python -m zoo lower RUN_DIR` on the machine with the GPU")
     return "cuda"
 
 
@@ -362,7 +362,7 @@ def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional
     low_precision = recipe.unit.dtype == "bfloat16"
     cases = size_cases(io_spec, recipe)
     if not run.pte.exists():
-        raise VerificationFailed(f"{run.pte} is missing", "lower the run first (`python -m zoo.lower RUN_DIR`)")
+        raise VerificationFailed(f"{run.pte} is missing", "lower the run first (`python -m zoo lower RUN_DIR`)")
 
     def run_all(runtime: str, call: Callable[[str, List[torch.Tensor]], List[torch.Tensor]], rows: List[Row]) -> None:
         """Every seed, size and method through ``call``, compared with eager; rows are appended as they come, so
@@ -496,7 +496,7 @@ def shipped_runners(pte: Path, ptd: Path, methods: Sequence[str], factory: Runne
         for m in methods:
             if m not in shipped:
                 raise VerificationFailed(f"{pte} holds no compiled .so for method {m!r}",
-                                         "lower the run again (`python -m zoo.lower RUN_DIR`)")
+                                         "lower the run again (`python -m zoo lower RUN_DIR`)")
             try:
                 runners[m] = factory(m, shipped[m]["so"], shipped[m]["weights"], device)
             except ZooError:
@@ -505,7 +505,7 @@ def shipped_runners(pte: Path, ptd: Path, methods: Sequence[str], factory: Runne
                 raise VerificationFailed(f"the .so of method {m!r} in {pte} cannot be loaded: "
                                          f"{type(exc).__name__}: {first_line(exc)}",
                                          "the artifact is damaged, or was built for another GPU or torch: "
-                                         "lower the run again (`python -m zoo.lower RUN_DIR`)") from exc
+                                         "lower the run again (`python -m zoo lower RUN_DIR`)") from exc
         yield runners
     finally:
         if shipped_dir is not None:

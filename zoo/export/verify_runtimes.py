@@ -113,7 +113,7 @@ def executorch_caller(pte: Path, ptd: Optional[Path], methods: Sequence[str], de
 
 
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--runtime`` and ``--et-runner`` for ``python -m zoo.export`` and ``python -m zoo.lower``."""
+    """``--runtime`` and ``--et-runner`` for ``python -m zoo.export`` and ``python -m zoo lower``."""
     parser.add_argument("--runtime", choices=VERIFY_RUNTIMES + ("both",), default=None,
                         help="verify on torch's AOTI runner, ExecuTorch's C++ runtime, or both (sets "
                              "verify.runtimes; default: both, the ExecuTorch runtime where a zoo_runner is found)")

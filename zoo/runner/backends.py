@@ -29,7 +29,7 @@ import torch
 from torch.export.passes import move_to_device_pass
 from torch.utils import _pytree as pytree
 
-from zoo.runtimes.aoti import AotiRunner
+from zoo.runtimes.aoti import AotiRunner, cuda_device
 from zoo.contract.artifact import extract_method_files, io_memory_planning
 from zoo.core.errors import RunnerError
 from zoo.runtimes.executorch import DeviceValue, RuntimeSession
@@ -37,6 +37,7 @@ from zoo.core.progress import warn
 from zoo.contract.run_folder import RunFolder
 from zoo.contract.releases import requirement_for
 from zoo.runtimes.aoti import run_in_delegate_order
+from zoo.contract.gpu_targets import require_runs_on
 
 BACKENDS = ("eager", "artifact", "executorch")
 # {method: {output name: the name it is kept and fed back under}}
@@ -139,11 +140,11 @@ class ArtifactBackend(Backend):
         super().__init__(run, device)
         if not run.pte.is_file():
             raise RunnerError(f"{run.pte} is missing: the run was not lowered",
-                              "lower it on a GPU machine (`python -m zoo.lower RUN_DIR`), or use backend='eager'")
+                              "lower it on a GPU machine (`python -m zoo lower RUN_DIR`), or use backend='eager'")
         missing = [str(run.io_order_file(m)) for m in methods if not run.io_order_file(m).is_file()]
         if missing:
             raise RunnerError(f"{', '.join(missing)} missing: the compiled .so's input order is unknown",
-                              "lower the run (`python -m zoo.lower RUN_DIR`) or download the whole published folder")
+                              "lower the run (`python -m zoo lower RUN_DIR`) or download the whole published folder")
         self._orders = {m: run.io_order(m) for m in methods}
         # The bytes that ship, taken out of model.pte / aoti_cuda_blob.ptd now (not copies left by lowering),
         # into a private temporary folder: a run may be a read-only Hub snapshot.
@@ -152,8 +153,15 @@ class ArtifactBackend(Backend):
         for m in methods:
             if m not in shipped:
                 raise RunnerError(f"{run.pte} holds no compiled .so for method {m!r}",
-                                  "lower the run again (`python -m zoo.lower RUN_DIR`)")
-            self._runners[m] = AotiRunner(shipped[m]["so"], shipped[m]["weights"], str(self.device))
+                                  "lower the run again (`python -m zoo lower RUN_DIR`)")
+        # Every method's host code and kernels against this GPU and host before any is loaded: an artifact
+        # lowered for another GPU is refused with what to do (zoo.contract.gpu_targets).
+        if torch.cuda.is_available():  # without a GPU, AotiRunner says so
+            require_runs_on({m: shipped[m]["so"] for m in methods}, cuda_device(self.device),
+                            artifact=f"the artifact in {run.path}", run_dir=str(run.path))
+        for m in methods:
+            self._runners[m] = AotiRunner(shipped[m]["so"], shipped[m]["weights"], str(self.device),
+                                          run_dir=run.path)
 
     def _run(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
         return run_in_delegate_order(self._runners[method], self._orders[method], args)
@@ -194,7 +202,7 @@ class ExecuTorchBackend(Backend):
         super().__init__(run, device)
         if not run.pte.is_file():
             raise RunnerError(f"{run.pte} is missing: the run was not lowered",
-                              "lower it on a GPU machine (`python -m zoo.lower RUN_DIR`), or use backend='eager'")
+                              "lower it on a GPU machine (`python -m zoo lower RUN_DIR`), or use backend='eager'")
         self.requirement = requirement_for(run, io_memory_planning)
         self.session = RuntimeSession(run.pte, run.ptd if run.ptd.is_file() else None, executable=executable,
                                       methods=methods, require_cuda=require_cuda, requirement=self.requirement)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import platform
 from pathlib import Path
 import shutil
 import tempfile
@@ -21,6 +22,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Type
 import torch
 
 from zoo.contract.artifact import extract_method_files, reusable_method_files
+from zoo.contract.gpu_targets import Device, require_runs_on
 from zoo.core.errors import NoGpuError, VerificationFailed, ZooError, first_line
 
 _PROMOTED = False
@@ -53,15 +55,31 @@ def load_weights(container, weights_path: Union[str, Path, None]) -> bool:
     return True
 
 
-class AotiRunner:
-    """One method's ``.so`` with its weights blob loaded, ready to run on ``device`` (a CUDA device)."""
+def cuda_device(device: Union[str, torch.device] = "cuda") -> Device:
+    """The GPU a loader is about to run on (name, compute capability) and this host's machine, for
+    ``gpu_targets.require_runs_on``."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    return Device(name=torch.cuda.get_device_name(index), capability=tuple(torch.cuda.get_device_capability(index)),
+                  machine=platform.machine())
 
-    def __init__(self, so_path: Union[str, Path], weights_path: Union[str, Path, None], device: str = "cuda"):
+
+class AotiRunner:
+    """One method's ``.so`` with its weights blob loaded, ready to run on ``device`` (a CUDA device).
+
+    Before loading, the ``.so``'s host machine and kernel images are checked against this GPU and host
+    (``gpu_targets.require_runs_on``): an artifact lowered for another GPU is refused with what to do, instead of
+    failing inside the loader or at its first kernel launch. ``run_dir`` goes into that message's command."""
+
+    def __init__(self, so_path: Union[str, Path], weights_path: Union[str, Path, None], device: str = "cuda", *,
+                 run_dir: Optional[Union[str, Path]] = None):
         if not torch.cuda.is_available():
             raise NoGpuError("running the compiled .so needs a CUDA device and none is visible",
                              "verify on the machine with the GPU (`python -m zoo lower RUN_DIR`)")
-        promote_libtorch_global()
         self.so_path = Path(so_path)
+        self.targets = require_runs_on({self.so_path.stem: self.so_path}, cuda_device(device),
+                                       run_dir=str(run_dir or "RUN_DIR"))[self.so_path.stem]
+        promote_libtorch_global()
         try:
             self._runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(self.so_path), 1, device)
             load_weights(self._runner, weights_path)

@@ -166,7 +166,7 @@ class RuntimeSession:
         self.ptd = Path(ptd).resolve() if ptd else None
         self.timeout_s = timeout_s
         if not self.pte.is_file():
-            raise RuntimeCallFailed(f"{self.pte} is missing", "lower the run first (`python -m zoo.lower RUN_DIR`)")
+            raise RuntimeCallFailed(f"{self.pte} is missing", "lower the run first (`python -m zoo lower RUN_DIR`)")
         self.build = runner_info(self.executable)
         if require_cuda and not self.build.get("cuda"):
             raise RuntimeNotBuilt(f"{self.executable} was built without the CUDA backend (portable runtime only); "

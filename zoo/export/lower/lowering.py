@@ -84,6 +84,7 @@ from zoo.core.progress import say as default_say
 from zoo.core.report import format_table
 from zoo.contract.run_folder import RunFolder, read_program
 from zoo.contract.releases import RuntimeRequirement, compile_specs, lowering_requirement
+from zoo.export.lower.target import NATIVE, check_lowered, local_device, plan_target, target_compile
 
 DEFAULT_INDUCTOR_CACHE = Path.home() / ".cache" / "zoo" / "inductor"
 LOWER_ONE_METHOD = "zoo.export.lower.lowering:lower_one_method"
@@ -185,7 +186,8 @@ class LoweringResult:
                          m.input_order, m.output_order])
         workers = self.workers
         head = (f"{PTE_NAME} {_mib(self.pte_bytes)}, {PTD_NAME} {_mib(self.ptd_bytes)}, "
-                f"lowering {self.seconds:.1f} s wall on {self.gpu.get('name')} (sm_{self.gpu.get('capability')}), "
+                f"lowering {self.seconds:.1f} s wall on {self.gpu.get('name')} (sm_{self.gpu.get('capability')}"
+                + (f"; {self.gpu['target']['words']}" if self.gpu.get("target") else "") + "), "
                 f"{workers.get('count', 1)} at once ({workers.get('why', '')}"
                 f"{', in this process' if workers.get('in_process') else ''})")
         if self.weights.get("segments") is not None:
@@ -220,7 +222,7 @@ def cuda_device_info() -> Dict[str, Any]:
         raise NoGpuError(
             "lowering to an ExecuTorch CUDA .pte needs a CUDA device: Inductor compiles and autotunes its kernels "
             "on the GPU, and none is visible here",
-            "run `python -m zoo.lower RUN_DIR` on a machine with an NVIDIA GPU (the run folder holds everything it "
+            "run `python -m zoo lower RUN_DIR` on a machine with an NVIDIA GPU (the run folder holds everything it "
             "needs); export, rewrites and the CPU check already ran here",
         )
     major, minor = torch.cuda.get_device_capability()
@@ -356,6 +358,7 @@ def lower_with_partitioner(method: str, program: ExportedProgram, options: Dict[
     """One method through ``partitioner``'s backend (``program`` is consumed: ExecuTorch's lowering changes it).
 
     ``options`` (JSON): ``triton_kernel_mode``, ``max_mm_configs``, ``runtime`` (the preflight's target),
+    ``target`` (``lowering_target.TargetPlan.record()``: the compile settings for another GPU, or None),
     ``preflight`` (run the kernel preflight on the edge program, before compiling), ``constant_plan``
     (``ConstantPlan.as_dict()``: this method's ``.so`` carries exactly the plan's constants, in its order).
     The record: ``io`` (delegate I/O order, output names, mutable buffers), ``preflight``, ``seconds`` per
@@ -370,7 +373,7 @@ def lower_with_partitioner(method: str, program: ExportedProgram, options: Dict[
             return None
         return require_kernels({method: edge_program}, options.get("runtime", "1.2"), triton_kernel_mode=mode)
 
-    with inductor_settings(options.get("max_mm_configs")):
+    with inductor_settings(options.get("max_mm_configs")), target_compile(options.get("target")):
         follow = inductor_follows_plan(plan, plan_values(program, plan)) if plan else contextlib.nullcontext([])
         with follow as tables:
             try:
@@ -459,6 +462,11 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
     backend compiling for the CPU)."""
     gpu = cuda_device_info() if method_lowering.needs_gpu else {
         "name": f"no GPU ({method_lowering.function})", "capability": None}
+    # A target GPU other than this one: refused here when this machine cannot lower for it (zoo.export.lower.target).
+    target = recipe.lowering.target if method_lowering.needs_gpu else None
+    plan = plan_target(target, local_device()) if target else None
+    if plan is not None:
+        gpu["target"] = {**plan.record(), "words": plan.words()}
     ensure_flatc()
     run = RunFolder(run)
     run.path.mkdir(parents=True, exist_ok=True)
@@ -490,12 +498,16 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
                                     per_worker_bytes=[WORKER_MEMORY_FACTOR * carried[m] + WORKER_MEMORY_BASE
                                                       for m in start_order])
         options = {"triton_kernel_mode": lowering.triton_kernel_mode, "max_mm_configs": lowering.max_mm_configs,
-                   "runtime": lowering.runtime, "preflight": run_preflight}
+                   "runtime": lowering.runtime, "preflight": run_preflight,
+                   "target": plan.record() if plan is not None else None}
         method_options = {m: {**options, "constant_plan": method_plan[m].as_dict() if m in method_plan else None}
                           for m in methods}
         say(f"lowering {', '.join(methods)}: {count} at once ({why}); constant plan: {plan_record['why']}")
         mark = time.perf_counter()
-        if count == 1:
+        # Another GPU's compile settings go to worker processes only: a fresh process has no cache of this GPU's
+        # properties that Inductor or Triton filled before (zoo.export.lower.target).
+        in_process = count == 1 and (plan is None or plan.mode == NATIVE)
+        if in_process:
             # In this process: programs read from files are ours to consume; the caller's are copied unless
             # handed over (to_edge_transform_and_lower changes the program it lowers).
             jobs = [MethodJob(m, in_memory[m] if consume or not isinstance(programs[m], ExportedProgram)
@@ -519,6 +531,8 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
                 path.unlink()
         stage_seconds["methods"] = compile_seconds = round(time.perf_counter() - mark, 3)
         methods_record, ptd_summary = _assemble(parts, run, stage_seconds)
+        # What was asked, read back from the binary: every kernel carries SASS for the target.
+        check_lowered(plan, {m: run.path / a.so for m, a in methods_record.items()})
         preflights = [PreflightResult.from_dict(p.record["preflight"]) for p in parts.values()
                       if p.record.get("preflight")]
         failed = False
@@ -544,7 +558,7 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
         ptd_bytes=run.ptd.stat().st_size if run.ptd.exists() else 0, seconds=round(time.perf_counter() - start, 3),
         compile_seconds=compile_seconds, methods=methods_record, options=options, gpu=gpu,
         preflight=PreflightResult.merged(preflights).as_dict() if preflights else None,
-        workers={"count": count, "why": why, "in_process": count == 1}, weights=weights,
+        workers={"count": count, "why": why, "in_process": in_process}, weights=weights,
         stage_seconds=stage_seconds, runtime=requirement.as_dict())
 
 

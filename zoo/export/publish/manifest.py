@@ -24,6 +24,7 @@ from zoo.core.progress import steps
 from zoo.core.report import RunReport
 from zoo.contract.run_folder import ARTIFACT_FILES, MANIFEST_JSON, RunFolder
 from zoo.contract.releases import requirement_for
+from zoo.contract.gpu_targets import artifact_summary
 
 FORMAT = "zoo-manifest/1"
 
@@ -108,6 +109,22 @@ def gpu_from(section: Any) -> Optional[Dict[str, Optional[str]]]:
     return {"name": name, "compute_capability": _capability(cap)}
 
 
+def gpus_section(data: Mapping[str, Any]) -> Dict[str, Any]:
+    """The manifest's ``gpu``: the GPU the kernels were built for (the lowering's ``--target``, else the GPU it ran
+    on), where it was lowered and verified, and what the audit read from the binary: host machines, kernel
+    images, the GPUs of zoo's table that run it (as is, through PTX) and those that do not, and why."""
+    lowering = data.get("lowering")
+    lowered_on = gpu_from(lowering)
+    target = ((lowering or {}).get("gpu") or {}).get("target") if isinstance(lowering, Mapping) else None
+    built_for = ({"name": target.get("label"), "compute_capability": _capability(target.get("capability"))}
+                 if isinstance(target, Mapping) else lowered_on)
+    audit = data.get("audit") if isinstance(data.get("audit"), Mapping) else {}
+    kernels = (artifact_summary(audit["gpus"], list(audit.get("methods") or []))
+               if isinstance(audit.get("gpus"), Mapping) else None)
+    return {"built_for": built_for, "lowered_on": lowered_on, "target": target.get("name") if target else None,
+            "verified_on": gpu_from(data.get("verification")), "kernels": kernels}
+
+
 def _capability(cap: Any) -> Optional[str]:
     if cap is None:
         return None
@@ -169,7 +186,7 @@ def build_manifest(run_dir: Union[RunFolder, Path], report: Union[RunReport, Map
         "source": {k: source.get(k) for k in ("repo_id", "revision", "commit", "fabricated")},
         "license": resolve_license(source, recipe),
         "versions": versions(),
-        "gpu": {"built_for": gpu_from(data.get("lowering")), "verified_on": gpu_from(data.get("verification"))},
+        "gpu": gpus_section(data),
         "rewrites": public_section(data.get("rewrites")),
         "audit": public_section(data.get("audit")),
         "verification": public_section(data.get("verification")),

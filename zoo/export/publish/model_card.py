@@ -134,6 +134,34 @@ def _shape(shape: List[Any]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
+def _gpu_section(manifest: Mapping[str, Any]) -> List[str]:
+    """Which GPUs and hosts run the artifact, as the audit read it from each method's .so (manifest ``gpu``)."""
+    gpu = manifest.get("gpu") or {}
+    kernels = gpu.get("kernels")
+    out = ["## Which GPUs and hosts can run it", ""]
+    if not isinstance(kernels, Mapping):
+        return out + [f"Kernels compiled for {gpu_words(gpu.get('built_for') or {})}; which other GPUs run them was "
+                      "not recorded.", ""]
+    images = ", ".join(f"`{i}`" for i in kernels.get("kernel_images") or []) or "none"
+    hosts = ", ".join(kernels.get("hosts") or []) or "?"
+    out += [f"Read from the compiled code itself: the kernels are {images} (SASS `sm_*` runs as is, PTX `compute_*` "
+            f"is compiled by the driver), built for {gpu_words(gpu.get('built_for') or {})}; the host code is "
+            f"{hosts}.", ""]
+    rows = [["GPUs (zoo's names)", "runs"]]
+    if kernels.get("runs_on"):
+        rows.append([", ".join(kernels["runs_on"]), "yes"])
+    if kernels.get("runs_on_through_ptx_jit"):
+        isa = kernels.get("ptx_isa")
+        rows.append([", ".join(kernels["runs_on_through_ptx_jit"]), "yes, through the driver's JIT compile of the "
+                     "PTX" + (f" (PTX ISA {isa}: a recent enough driver)" if isa else "")])
+    rows += [[", ".join(names), f"no: {why}"] for why, names in (kernels.get("not_on") or {}).items()]
+    out += [markdown_table(rows), "",
+            "zoo's loaders (the policy runner, verification, `zoo_runner`) read this before loading and refuse a "
+            "GPU or host it does not fit, saying what to do: lower the run for that GPU (`python -m zoo lower "
+            "RUN_DIR --target NAME`, or on the machine itself; a Jetson always lowers on the device).", ""]
+    return out
+
+
 def _runner_section(manifest: Mapping[str, Any], repo_id: str) -> List[str]:
     """The three lines of Python that replace a LeRobot policy in a control loop."""
     family = (manifest.get("recipe") or {}).get("family", "")
@@ -287,13 +315,16 @@ def _provenance_section(manifest: Mapping[str, Any]) -> List[str]:
     source = manifest.get("source") or {}
     versions = manifest.get("versions") or {}
     built = (manifest.get("gpu") or {}).get("built_for") or {}
+    lowered = (manifest.get("gpu") or {}).get("lowered_on") or {}
     overrides = manifest.get("overrides") or []
     out = ["## How it was made", "",
            f"- Recipe `{recipe.get('name', '?')}`" + (f" with overrides {', '.join(f'`{o}`' for o in overrides)}"
                                                        if overrides else " without overrides") + ".",
            f"- Source checkpoint `{source.get('repo_id')}`, revision `{source.get('revision')}`, commit "
            f"`{source.get('commit')}`.",
-           f"- Kernels compiled for {gpu_words(built)}. Other GPU architectures need a fresh export.",
+           f"- Kernels compiled for {gpu_words(built)}"
+           + (f", lowered on {gpu_words(lowered)}" if lowered and lowered != built else "")
+           + ". Other GPUs: see which run it above; the rest need a fresh lowering.",
            "- Versions: " + ", ".join(f"{k} {v if v else 'not installed'}" for k, v in versions.items()) + ".",
            ""]
     rewrites = manifest.get("rewrites") or {}
@@ -349,6 +380,7 @@ def render_card(manifest: Mapping[str, Any], io_spec: Mapping[str, Any], host_se
     out += _computes_section(manifest, io_spec, note)
     out += _host_section(host_settings, processors, note)
     out += audit_section(manifest)
+    out += _gpu_section(manifest)
     out += verification_section(manifest)
     out += policy_check_section(manifest, note)
     out += chunk_latency_section(manifest)
