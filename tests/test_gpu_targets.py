@@ -14,11 +14,7 @@ References, none of them zoo's own output:
 from __future__ import annotations
 
 import platform
-import re
-import shutil
 import struct
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -26,9 +22,7 @@ from zoo.contract import gpu_targets
 from zoo.core.errors import GpuTargetMismatch, LoweringError, RecipeError
 from zoo.contract.gpu_targets import Device, KernelImage
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "so"
-H200 = FIXTURES / "h200_kernels.so"
-A100 = FIXTURES / "a100_kernels.so"
+from support.gpu_kernels import A100, FIXTURES, H200, _cuobjdump, _cuobjdump_images, container, entry
 # (file, offset, bytes as xxd shows them): the hand reading the expectations below rest on.
 HAND_READ = [
     (H200, 0x2000, "50ed55ba 0100 1000 8819000000000000"),  # magic, version 1, header 16, entries 0x1988 bytes
@@ -66,23 +60,8 @@ def test_the_kernels_of_an_h200_lowering_are_sm_90a_and_compute_90a_for_an_x86_6
     assert a100.images() == ["sm_80", "compute_80"] and a100.machine == "x86_64"
 
 
-def _cuobjdump() -> str:
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import triton
-    except ImportError:
-        return ""
-    shipped = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return str(shipped) if shipped.is_file() else ""
 
 
-def _cuobjdump_images(tool: str, fatbin: Path) -> list:
-    """(kind, arch) pairs as cuobjdump describes them: "Fatbin elf code: ... arch = sm_90a"."""
-    out = subprocess.run([tool, str(fatbin)], capture_output=True, text=True, check=True).stdout
-    return [("sass" if kind == "elf" else "ptx", arch)
-            for kind, arch in re.findall(r"Fatbin (elf|ptx) code:\s*=+\s*arch = sm_(\w+)", out)]
 
 
 @pytest.mark.parametrize("so, start, end", [(H200, 0x2000, 0x3998), (A100, 0x2000, 0x37b0)])
@@ -99,20 +78,8 @@ def test_each_fatbin_carved_at_the_hand_read_offsets_is_what_cuobjdump_says(so, 
     assert want  # cuobjdump saw the kernel
 
 
-def entry(kind: int, arch: int, flags: int = 0x11, payload: bytes = b"\0" * 8, header: int = 64,
-          code: tuple = (1, 8)) -> bytes:
-    """One fatbin entry packed by hand: kind, version 0x101, header size, payload size, PTX ISA / cubin version
-    at 24, architecture at 28, flags at 40."""
-    head = bytearray(header)
-    struct.pack_into("<HHIQ", head, 0, kind, 0x101, header, len(payload))
-    struct.pack_into("<HHI", head, 24, code[1], code[0], arch)
-    struct.pack_into("<Q", head, 40, flags)
-    return bytes(head) + payload
 
 
-def container(*entries: bytes) -> bytes:
-    body = b"".join(entries)
-    return struct.pack("<IHHQ", 0xBA55ED50, 1, 16, len(body)) + body
 
 
 def test_hand_packed_fatbins_give_their_kinds_architectures_and_variants():
@@ -276,7 +243,7 @@ def test_the_audit_states_each_methods_host_kernels_and_the_gpus_that_run_it():
 
 
 def test_the_manifest_and_the_card_state_the_target_and_what_runs_it():
-    from test_model_card import manifest as card_manifest
+    from support.manifests import manifest as card_manifest
     from zoo.export import audit
     from zoo.export.lower import target as lowering_target
     from zoo.export.publish.manifest import gpus_section

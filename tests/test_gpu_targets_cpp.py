@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_gpu_targets import A100, FIXTURES, H200, container, entry
+from support.gpu_kernels import A100, FIXTURES, H200, container, entry
 from zoo.contract import gpu_targets
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_gpu_targets import A100, H200, _cuobjdump, _cuobjdump_images
+from support.gpu_kernels import A100, H200, _cuobjdump, _cuobjdump_images
 from zoo.contract import gpu_targets
 from zoo.export.lower import lowering
 from zoo.export.lower import target as lowering_target

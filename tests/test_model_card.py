@@ -10,6 +10,8 @@ from zoo.contract import chunk_latency
 from zoo.export.publish.card_results import audit_rows
 from zoo.export.publish.model_card import card_metadata, render_card, resolve_license, runtime_ref
 
+from support.manifests import manifest
+
 
 def checkpoint(tmp_path, header: str):
     (tmp_path / "README.md").write_text(header + "# a checkpoint\n")
@@ -40,29 +42,6 @@ def test_a_card_without_a_header_or_license_falls_through(tmp_path):
 
 
 # --- Hub metadata ---------------------------------------------------------------------------------------
-
-
-def manifest(**changes):
-    base = {
-        "recipe": {"name": "lingbot-va", "family": "lingbot_va", "description": "",
-                   "source": {"repo_id": "robbyant/lingbot-va", "fabricate": False}, "unit": {"dtype": "bfloat16"},
-                   "dynamic": {}},
-        "overrides": [],
-        "source": {"repo_id": "robbyant/lingbot-va", "revision": "main", "commit": "c" * 40},
-        "license": {"license": "apache-2.0", "from": "source.json"},
-        "versions": {"zoo": "0.1.0", "torch": "2.11.0+cu130", "executorch": "1.2.0", "lerobot": None},
-        "gpu": {"built_for": {"name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0"},
-                "verified_on": {"name": "NVIDIA A100-SXM4-80GB", "compute_capability": "8.0"}},
-        "rewrites": {},
-        "audit": {"1.2": {"loadable": True, "missing_symbols": []}},
-        "verification": {"passed": True, "rows": [
-            {"method": "video_step", "seed": 3, "sizes": {}, "output": "noise_pred", "max_abs": 0.0123456,
-             "rel_l2": 0.00871, "cosine": 0.999961234, "ok": True, "why": ""}]},
-        "files": {"model.pte": {"sha256": "a" * 64, "size": 2_500_000},
-                  "processors/stats.safetensors": {"sha256": "b" * 64, "size": 999}},
-    }
-    base.update(changes)
-    return base
 
 
 def test_metadata_names_license_base_model_and_tags():

@@ -26,13 +26,13 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: commands run from it (its tests, its recipes)
 
-from zoo.contract import gpu_targets  # noqa: E402
-from zoo.core.errors import GpuTargetMismatch  # noqa: E402
-from zoo.core.report import format_table  # noqa: E402
-from zoo.contract.run_folder import RunFolder  # noqa: E402
+
+from zoo.contract import gpu_targets
+from zoo.core.errors import GpuTargetMismatch
+from zoo.core.report import format_table
+from zoo.contract.run_folder import RunFolder
 
 RECIPE = "llama-rope-tiny"
 TESTS = ["tests/gpu/test_gpu_lowering_targets.py", "tests/test_gpu_targets.py", "tests/test_gpu_targets_cpp.py",

@@ -27,7 +27,7 @@ from zoo.contract.recipes import load_recipe  # noqa: E402
 from zoo.contract.run_folder import RunFolder  # noqa: E402
 
 from runner_helpers import export_run  # noqa: E402
-from test_gpu_targets import _cuobjdump, _cuobjdump_images  # noqa: E402
+from support.gpu_kernels import _cuobjdump, _cuobjdump_images
 
 _CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 ARCH = _CAPABILITY[0] * 10 + _CAPABILITY[1]

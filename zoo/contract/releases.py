@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set
 
 from zoo.core.errors import LoweringError, RuntimeMismatch, ZooError
 
-RUNTIMES_JSON = Path(__file__).resolve().parent / "data" / "runtimes.json"
+RUNTIMES_JSON = Path(__file__).resolve().parents[1] / "data" / "runtimes.json"
 
 
 @dataclass
