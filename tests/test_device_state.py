@@ -20,7 +20,7 @@ from zoo.runtimes import executorch as et_runtime
 from zoo.core.errors import RuntimeCallFailed, RuntimeMismatch, RuntimeNotBuilt, ZooError
 from zoo.contract.run_folder import RunFolder
 from zoo.contract.releases import RuntimeRequirement, lowering_requirement, requirement_for
-from pool_modules import PoolWrite  # noqa: E402
+from support.modules import PoolWrite
 
 SCALES = {"video_step": 1.0, "action_step": -2.0}
 
