@@ -3,13 +3,7 @@
 
     python benchmarks/bench_real_size.py --out OUT [--units llama:128,512,2048 lingbot_va fast_wam] [--runs N]
 
-Units (``NAME[:ARG]``, ``zoo.bench.seeded``):
-  llama[:SEQ,...]          SmolLM2-135M geometry (recipe llama-rope, bf16, dynamic seq 2..2048), benched at
-                           each SEQ (default 128,512,2048)
-  lingbot_va[:METHOD,...]  LingBot-VA at the recipe's default configuration (5.09 B parameters, bf16, KV pool
-                           as I/O): video_step and action_step (default both)
-  fast_wam[:METHOD,...]    Fast-WAM in its split layout (5 B video + 1 B action expert, bf16): the action unit
-                           action_step (default), or prefill,action_step
+Units: ``NAME[:ARG]`` with NAME llama, lingbot_va or fast_wam; ``zoo.bench.seeded`` says what each builds.
 
 Weights: llama's checkpoint is fabricated by its family (transformers' own save_pretrained, 135 M parameters,
 seconds). LingBot-VA and Fast-WAM are built by the family modules from the recipe's configuration exactly as
