@@ -128,7 +128,7 @@ def aoti_latency(run: RunFolder, method: str, inputs: List[torch.Tensor], state:
                  work: Path, warmup: int, iters: int) -> Dict[str, Dict[str, Any]]:
     """torch's AOTI runner over the same .so and weights in this process, timed the same way in each I/O mode:
     inputs not on the GPU are copied from host memory in each call, outputs not kept are copied back."""
-    from zoo.runtimes.aoti import AotiRunner
+    from zoo.runtimes.aoti import AotiRunner, run_in_delegate_order
 
     so, weights = run.so_file(method), run.weights_file(method)
     if not so.exists():  # the shipped ones, out of the .pte/.ptd, as verification does
@@ -150,7 +150,7 @@ def aoti_latency(run: RunFolder, method: str, inputs: List[torch.Tensor], state:
         staged = [t.cuda() if i in on_gpu else t for i, t in enumerate(inputs)]
 
         def call() -> None:
-            outs = verify.run_in_delegate_order(aoti, order, [t.cuda() for t in staged])
+            outs = run_in_delegate_order(aoti, order, [t.cuda() for t in staged])
             for k, t in enumerate(outs):
                 if k not in kept:
                     t.cpu()

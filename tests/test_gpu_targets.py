@@ -212,8 +212,10 @@ def test_the_artifact_backend_refuses_every_method_before_loading_any(fake_a100,
                                            '"action_step": {"inputs": [], "outputs": []}}}')
     for m in methods:
         run.write_io_order(m, {"method": m, "input_order": [], "output_order": []})
-    monkeypatch.setattr(backends, "extract_method_files",
-                        lambda pte, ptd, folder: {m: {"so": so, "weights": None} for m, so in methods.items()})
+    from zoo.runtimes import aoti
+
+    monkeypatch.setattr(aoti, "extract_method_files",
+                        lambda pte, ptd, folder, names: {m: {"so": so, "weights": None} for m, so in methods.items()})
     monkeypatch.setattr(backends, "AotiRunner", lambda *a, **k: pytest.fail("a method was loaded"))
     with pytest.raises(GpuTargetMismatch) as info:
         backends.make_backend("artifact", run, "cuda")

@@ -26,6 +26,7 @@ from zoo.contract import artifact
 from zoo.export import audit
 from zoo.export.lower import lowering
 from zoo.export import verify
+from zoo.runtimes.aoti import run_in_delegate_order
 from zoo.policies.base import InputSpec
 from zoo.contract.run_folder import RunFolder
 
@@ -154,7 +155,7 @@ def test_parallel_and_sequential_lowerings_verify_alike_against_eager(lowered):
         art = par["result"].methods[method]
         assert art.files(par["run"].path) == (files[method]["so"], files[method]["weights"])
         assert art.delegate_order == {k: order[k] for k in ("input_order", "output_order")}
-        got_out = verify.run_in_delegate_order(CpuRunner(method, files[method]["so"], files[method]["weights"],
+        got_out = run_in_delegate_order(CpuRunner(method, files[method]["so"], files[method]["weights"],
                                                          "cpu"), order, inputs)
         torch.testing.assert_close(got_out[0], eager[method](*inputs), rtol=1e-5, atol=1e-5)
     assert par["run"].io_order("act")["input_order"] == [1, 0]

@@ -30,8 +30,7 @@ def lower_and_compare(module: nn.Module, inputs: Sequence[torch.Tensor], rewrite
                       triton: str = "OFF", bound: float = 1e-5):
     from zoo.core import numerics
     from zoo import rewrites as zr
-    from zoo.export import verify
-    from zoo.runtimes.aoti import AotiRunner
+    from zoo.runtimes.aoti import AotiRunner, run_in_delegate_order
     from zoo.export.lower.lowering import lower_to_pte
 
     module = module.eval()
@@ -44,7 +43,7 @@ def lower_and_compare(module: nn.Module, inputs: Sequence[torch.Tensor], rewrite
     lowered = lower_to_pte({"forward": ep}, out, _recipe(triton))
     art = lowered.methods["forward"]  # lower_to_pte extracted its .so and weights from the written files
     gpu_inputs = [t.cuda() for t in inputs]
-    got = verify.run_in_delegate_order(AotiRunner(*art.files(out), "cuda"), art.delegate_order, gpu_inputs)
+    got = run_in_delegate_order(AotiRunner(*art.files(out), "cuda"), art.delegate_order, gpu_inputs)
     with torch.no_grad():
         want = module.cuda()(*gpu_inputs)
     want = list(want) if isinstance(want, (tuple, list)) else [want]

@@ -42,7 +42,8 @@ from zoo.export.policy_check import policy_check_step
 from zoo.export.lower.preflight import PreflightResult
 from zoo.core.report import RunReport, timed_stage
 from zoo.contract.run_folder import RunFolder
-from zoo.export.verify import RunnerFactory, VerificationResult, verify_artifact
+from zoo.export.verify import VerificationResult, verify_artifact
+from zoo.runtimes.aoti import RunnerFactory
 from zoo.export.verify_runtimes import RuntimeChoice, choose_runtimes
 
 GPU_STAGES = ("lower", "audit", "verify")

@@ -28,8 +28,6 @@ import contextlib
 import hashlib
 import itertools
 import math
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,9 +38,9 @@ from torch.utils import _pytree as pytree
 
 from zoo.export import audit
 from zoo.core import numerics
-from zoo.runtimes.aoti import AotiRunner
-from zoo.contract.artifact import extract_method_files, io_memory_planning, reusable_method_files
-from zoo.core.errors import NoGpuError, RuntimeCallFailed, VerificationFailed, ZooError, first_line
+from zoo.runtimes.aoti import RunnerFactory, aoti_runner_factory, run_in_delegate_order, shipped_runners
+from zoo.contract.artifact import io_memory_planning
+from zoo.core.errors import NoGpuError, RuntimeCallFailed, VerificationFailed, first_line
 from zoo.policies.base import InputSpec
 from zoo.core.progress import say, steps
 from zoo.core.report import format_table
@@ -52,15 +50,6 @@ from zoo.runtimes.executorch import describe
 from zoo.export.verify_runtimes import LABELS, RuntimeChoice, choose_runtimes, executorch_caller
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-# (method, .so path, weights blob path or None, device) -> an object whose run(inputs) returns outputs,
-# both in the .so's own order.
-RunnerFactory = Callable[[str, Path, Optional[Path], str], Any]
-
-
-def aoti_runner_factory(method: str, so: Path, weights: Optional[Path], device: str):
-    return AotiRunner(so, weights, device)
-
 
 @dataclass
 class Row:
@@ -467,46 +456,3 @@ def _run_executorch(run: RunFolder, methods: Sequence[str], device: str, choice:
 
 def describe_runner(choice: RuntimeChoice) -> str:
     return describe(choice.runner_info) if choice.runner_info else "ExecuTorch runtime"
-
-
-def run_in_delegate_order(runner: Any, order: Dict[str, Any], inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Run a method's .so: ``inputs`` in the method's signature order are handed over in the delegate's order
-    (``so/<method>.io.json``), and its outputs come back in the method's order."""
-    outs = runner.run([inputs[i] for i in order["input_order"]])
-    return [outs[j] for j in order["output_order"]]
-
-
-@contextlib.contextmanager
-def shipped_runners(pte: Path, ptd: Path, methods: Sequence[str], factory: RunnerFactory,
-                    device: str, so_dir: Optional[Path] = None) -> Iterator[Dict[str, Any]]:
-    """A runner per method over the bytes that ship: each method's .so and weights as model.pte /
-    aoti_cuda_blob.ptd hold them now, so a swapped or edited file is what gets run. With ``so_dir`` (the run
-    folder's ``so/``), the files extracted there are used while its stamp says they are these very .pte/.ptd
-    files' bytes, untouched (``artifact.reusable_method_files``: no second ~10 GB copy of a real-size blob);
-    otherwise only ``methods`` are extracted, a shared weights segment once, into a folder that lives only while
-    the runners are in use."""
-    ptd_there = ptd if ptd.exists() else None
-    shipped = reusable_method_files(pte, ptd_there, so_dir, methods) if so_dir is not None else None
-    shipped_dir = None
-    try:
-        if shipped is None:
-            shipped_dir = Path(tempfile.mkdtemp(prefix=".verify.tmp-", dir=pte.parent))
-            shipped = extract_method_files(pte, ptd_there, shipped_dir, methods)
-        runners = {}
-        for m in methods:
-            if m not in shipped:
-                raise VerificationFailed(f"{pte} holds no compiled .so for method {m!r}",
-                                         "lower the run again (`python -m zoo lower RUN_DIR`)")
-            try:
-                runners[m] = factory(m, shipped[m]["so"], shipped[m]["weights"], device)
-            except ZooError:
-                raise
-            except Exception as exc:  # a loader's own error: the .so is damaged or built for another machine
-                raise VerificationFailed(f"the .so of method {m!r} in {pte} cannot be loaded: "
-                                         f"{type(exc).__name__}: {first_line(exc)}",
-                                         "the artifact is damaged, or was built for another GPU or torch: "
-                                         "lower the run again (`python -m zoo lower RUN_DIR`)") from exc
-        yield runners
-    finally:
-        if shipped_dir is not None:
-            shutil.rmtree(shipped_dir, ignore_errors=True)

@@ -20,7 +20,7 @@ it over without a copy (zoo.runtimes.executorch).
 
 from __future__ import annotations
 
-import shutil
+import contextlib
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -29,15 +29,13 @@ import torch
 from torch.export.passes import move_to_device_pass
 from torch.utils import _pytree as pytree
 
-from zoo.runtimes.aoti import AotiRunner, cuda_device
-from zoo.contract.artifact import extract_method_files, io_memory_planning
+from zoo.contract.artifact import io_memory_planning
 from zoo.core.errors import RunnerError
 from zoo.runtimes.executorch import DeviceValue, RuntimeSession
 from zoo.core.progress import warn
 from zoo.contract.run_folder import RunFolder
 from zoo.contract.releases import requirement_for
-from zoo.runtimes.aoti import run_in_delegate_order
-from zoo.contract.gpu_targets import require_runs_on
+from zoo.runtimes.aoti import AotiRunner, run_in_delegate_order, shipped_runners
 
 BACKENDS = ("eager", "artifact", "executorch")
 # {method: {output name: the name it is kept and fed back under}}
@@ -132,7 +130,7 @@ class ArtifactBackend(Backend):
     name = "artifact"
 
     def __init__(self, run: RunFolder, device: str, methods: Sequence[str]):
-        self._dir: Optional[Path] = None
+        self._stack = contextlib.ExitStack()
         self._runners: Dict[str, AotiRunner] = {}
         if not str(device).startswith("cuda"):
             raise RunnerError(f"backend 'artifact' runs the compiled CUDA kernels; device {device!r} cannot",
@@ -147,30 +145,21 @@ class ArtifactBackend(Backend):
                               "lower the run (`python -m zoo lower RUN_DIR`) or download the whole published folder")
         self._orders = {m: run.io_order(m) for m in methods}
         # The bytes that ship, taken out of model.pte / aoti_cuda_blob.ptd now (not copies left by lowering),
-        # into a private temporary folder: a run may be a read-only Hub snapshot.
-        self._dir = Path(tempfile.mkdtemp(prefix="zoo-runner-so-"))
-        shipped = extract_method_files(run.pte, run.ptd if run.ptd.is_file() else None, self._dir)
-        for m in methods:
-            if m not in shipped:
-                raise RunnerError(f"{run.pte} holds no compiled .so for method {m!r}",
-                                  "lower the run again (`python -m zoo lower RUN_DIR`)")
-        # Every method's host code and kernels against this GPU and host before any is loaded: an artifact
-        # lowered for another GPU is refused with what to do (zoo.contract.gpu_targets).
-        if torch.cuda.is_available():  # without a GPU, AotiRunner says so
-            require_runs_on({m: shipped[m]["so"] for m in methods}, cuda_device(self.device),
-                            artifact=f"the artifact in {run.path}", run_dir=str(run.path))
-        for m in methods:
-            self._runners[m] = AotiRunner(shipped[m]["so"], shipped[m]["weights"], str(self.device),
-                                          run_dir=run.path)
+        # into a private temporary folder: a run may be a read-only Hub snapshot. Every method is checked against
+        # this GPU and host before any is loaded (zoo.contract.gpu_targets).
+        self._runners = self._stack.enter_context(shipped_runners(
+            run.pte, run.ptd, methods, self._load, str(self.device), error=RunnerError,
+            scratch=Path(tempfile.gettempdir())))
+
+    def _load(self, method: str, so: Path, weights: Optional[Path], device: str) -> AotiRunner:
+        return AotiRunner(so, weights, device, run_dir=self.run.path)
 
     def _run(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
         return run_in_delegate_order(self._runners[method], self._orders[method], args)
 
     def close(self) -> None:
         self._runners = {}
-        if self._dir is not None:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            self._dir = None
+        self._stack.close()
 
     def __del__(self):  # the extracted .so files are only a cache of model.pte's bytes
         self.close()

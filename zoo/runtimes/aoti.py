@@ -112,34 +112,42 @@ def run_in_delegate_order(runner: Any, order: Dict[str, Any], inputs: Sequence[t
 @contextlib.contextmanager
 def shipped_runners(pte: Path, ptd: Path, methods: Sequence[str], factory: RunnerFactory,
                     device: str, so_dir: Optional[Path] = None,
-                    error: Type[ZooError] = VerificationFailed) -> Iterator[Dict[str, Any]]:
+                    error: Type[ZooError] = VerificationFailed,
+                    scratch: Optional[Path] = None) -> Iterator[Dict[str, Any]]:
     """A runner per method over the bytes that ship: each method's .so and weights as model.pte /
     aoti_cuda_blob.ptd hold them now, so a swapped or edited file is what gets run. With ``so_dir`` (the run
     folder's ``so/``), the files extracted there are used while its stamp says they are these very .pte/.ptd
     files' bytes, untouched (``artifact.reusable_method_files``: no second ~10 GB copy of a real-size blob);
     otherwise only ``methods`` are extracted, a shared weights segment once, into a folder that lives only while
-    the runners are in use. A missing or unloadable method raises ``error`` (verification's or the runner's)."""
+    the runners are in use (under ``scratch``, default beside the .pte: a Hub snapshot is read-only). On a CUDA
+    device, every method's host code and kernels are checked against this GPU before any is loaded
+    (``gpu_targets.require_runs_on``). A missing or unloadable method raises ``error`` (verification's or the
+    runner's)."""
     ptd_there = ptd if ptd.exists() else None
     shipped = reusable_method_files(pte, ptd_there, so_dir, methods) if so_dir is not None else None
     shipped_dir = None
     try:
         if shipped is None:
-            shipped_dir = Path(tempfile.mkdtemp(prefix=".verify.tmp-", dir=pte.parent))
+            shipped_dir = Path(tempfile.mkdtemp(prefix=".verify.tmp-", dir=scratch or pte.parent))
             shipped = extract_method_files(pte, ptd_there, shipped_dir, methods)
+        absent = [m for m in methods if m not in shipped]
+        if absent:
+            raise error(f"{pte} holds no compiled .so for method {absent[0]!r}",
+                        "lower the run again (`python -m zoo lower RUN_DIR`)")
+        if str(device).startswith("cuda") and torch.cuda.is_available():  # without a GPU, the loader says so
+            require_runs_on({m: shipped[m]["so"] for m in methods}, cuda_device(device),
+                            artifact=f"the artifact in {pte.parent}", run_dir=str(pte.parent))
         runners = {}
         for m in methods:
-            if m not in shipped:
-                raise error(f"{pte} holds no compiled .so for method {m!r}",
-                                         "lower the run again (`python -m zoo lower RUN_DIR`)")
             try:
                 runners[m] = factory(m, shipped[m]["so"], shipped[m]["weights"], device)
             except ZooError:
                 raise
             except Exception as exc:  # a loader's own error: the .so is damaged or built for another machine
                 raise error(f"the .so of method {m!r} in {pte} cannot be loaded: "
-                                         f"{type(exc).__name__}: {first_line(exc)}",
-                                         "the artifact is damaged, or was built for another GPU or torch: "
-                                         "lower the run again (`python -m zoo lower RUN_DIR`)") from exc
+                            f"{type(exc).__name__}: {first_line(exc)}",
+                            "the artifact is damaged, or was built for another GPU or torch: "
+                            "lower the run again (`python -m zoo lower RUN_DIR`)") from exc
         yield runners
     finally:
         if shipped_dir is not None:
