@@ -33,12 +33,13 @@ Standard library and pyelftools only: the deploy side imports this without the e
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from zoo.core.errors import GpuTargetMismatch, LoweringError, RecipeError
 
@@ -295,24 +296,31 @@ def find_fatbins(data: bytes) -> List[Tuple[int, List[KernelImage]]]:
     return found
 
 
-def read_targets(so: Union[Path, bytes], what: str = "") -> KernelTargets:
-    """The host machine and every kernel image of a compiled method (its ``.so`` path or bytes)."""
+@contextlib.contextmanager
+def reading_elf(so: Union[Path, bytes], what: str, not_elf_hint: str) -> Iterator[Tuple[Any, bytes]]:
+    """A compiled method (its ``.so`` path or bytes) opened with pyelftools, and its bytes. A file that is no ELF
+    library, or a damaged one, raises a LoweringError naming it, while it is opened or while it is read."""
     from elftools.common.exceptions import ELFError
     from elftools.elf.elffile import ELFFile
 
     data = so if isinstance(so, (bytes, bytearray)) else Path(so).read_bytes()
     label = what or (str(so) if not isinstance(so, (bytes, bytearray)) else "the .so")
     try:
-        elf = ELFFile(io.BytesIO(data))
-        machine = MACHINES.get(elf["e_machine"], str(elf["e_machine"]).removeprefix("EM_").lower())
-        spans = [(s["sh_offset"], s["sh_offset"] + s["sh_size"], s.name) for s in elf.iter_sections()
-                 if s["sh_type"] != "SHT_NOBITS" and s["sh_size"]]
+        yield ELFFile(io.BytesIO(data)), data
     except ELFError as exc:
-        raise LoweringError(f"{label} is not an ELF shared library: {exc}",
-                            "pass a .so compiled by AOTInductor, a CUDA .pte holding them, or a run folder") from None
+        raise LoweringError(f"{label} is not an ELF shared library: {exc}", not_elf_hint) from None
     except Exception as exc:  # a damaged ELF makes pyelftools fail in many ways (struct, index, unicode errors)
         raise LoweringError(f"{label} is a damaged ELF library ({type(exc).__name__}: {exc})",
                             "the file is truncated or corrupted: lower the run again, or pass the original") from None
+
+
+def read_targets(so: Union[Path, bytes], what: str = "") -> KernelTargets:
+    """The host machine and every kernel image of a compiled method (its ``.so`` path or bytes)."""
+    with reading_elf(so, what, "pass a .so compiled by AOTInductor, a CUDA .pte holding them, or a run folder") \
+            as (elf, data):
+        machine = MACHINES.get(elf["e_machine"], str(elf["e_machine"]).removeprefix("EM_").lower())
+        spans = [(s["sh_offset"], s["sh_offset"] + s["sh_size"], s.name) for s in elf.iter_sections()
+                 if s["sh_type"] != "SHT_NOBITS" and s["sh_size"]]
     found = find_fatbins(bytes(data))
     sections = sorted({name for offset, _ in found for start, stop, name in spans if start <= offset < stop})
     return KernelTargets(machine=machine, fatbins=[images for _, images in found], sections=sections)

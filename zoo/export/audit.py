@@ -21,7 +21,6 @@ ExecuTorch 1.2 (with or without its ``.ptd``; only the ``.so`` matters for loadi
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
 from dataclasses import asdict, dataclass, field
@@ -41,7 +40,7 @@ from zoo.core.errors import (
 from zoo.core.report import format_table
 from zoo.contract.run_folder import SO_DIR, RunFolder
 from zoo.contract.releases import Release, load_runtimes
-from zoo.contract.gpu_targets import KernelTargets, read_targets, runs_on_lines, runs_on_table
+from zoo.contract.gpu_targets import KernelTargets, read_targets, reading_elf, runs_on_lines, runs_on_table
 
 SYMBOL_PREFIX = "aoti_torch_"
 INFERRED = "inferred from symbols"
@@ -52,15 +51,11 @@ FIRST_SHARING_RELEASE = (1, 3)
 
 def undefined_aoti_symbols(so: Union[Path, bytes], what: str = "") -> List[str]:
     """Undefined ``aoti_torch_*`` symbols of an ELF shared library: the runtime functions it needs."""
-    from elftools.common.exceptions import ELFError
-    from elftools.elf.elffile import ELFFile
     from elftools.elf.sections import SymbolTableSection
 
-    data = so if isinstance(so, (bytes, bytearray)) else Path(so).read_bytes()
-    label = what or (str(so) if not isinstance(so, (bytes, bytearray)) else "the .so")
     found: Set[str] = set()
-    try:
-        elf = ELFFile(io.BytesIO(data))
+    with reading_elf(so, what, "audit a .so compiled by AOTInductor, a CUDA .pte that holds them, or a run folder") \
+            as (elf, _):
         tables = [s for s in elf.iter_sections() if isinstance(s, SymbolTableSection)]
         # The dynamic table is what the loader resolves; a static table only adds names of a non-stripped build.
         dynamic = [t for t in tables if t.name == ".dynsym"] or tables
@@ -68,12 +63,6 @@ def undefined_aoti_symbols(so: Union[Path, bytes], what: str = "") -> List[str]:
             for sym in table.iter_symbols():
                 if sym.name.startswith(SYMBOL_PREFIX) and sym["st_shndx"] == "SHN_UNDEF":
                     found.add(sym.name)
-    except ELFError as exc:
-        raise LoweringError(f"{label} is not an ELF shared library: {exc}",
-                            "audit a .so compiled by AOTInductor, a CUDA .pte that holds them, or a run folder") from None
-    except Exception as exc:  # a damaged ELF makes pyelftools fail in many ways (struct, index, unicode errors)
-        raise LoweringError(f"{label} is a damaged ELF library ({type(exc).__name__}: {exc})",
-                            "the file is truncated or corrupted: lower the run again, or pass the original") from None
     return sorted(found)
 
 
