@@ -100,12 +100,26 @@ def test_a_source_tarball_is_unpacked_for_an_offline_machine(tmp_path, tools):
     with tarfile.open(tarball, "w:gz") as tar:
         tar.add(tree, arcname="executorch")
     out = tmp_path / "out"
-    done = build(tools, "--tarball", tarball, out, version_file=tree / "version.txt")
+    # This stand-in tree lacks the files zoo's 1.2 patch changes: unpacking is what is checked here.
+    done = build({**tools, "ZOO_RUNTIME_PATCHES": "none"}, "--tarball", tarball, out,
+                 version_file=tree / "version.txt")
     assert done.returncode == 0, done.stderr
     assert (out / "src" / "executorch" / "version.txt").read_text() == "1.2.0\n"
     stamp = json.loads((out / "stamp.json").read_text())
-    assert stamp["source_hash"] == "sha256:" + hashlib.sha256(tarball.read_bytes()).hexdigest()
-    assert stamp["executorch_version"] == "1.2.0"
+    assert stamp["source_hash"] == "sha256:" + hashlib.sha256(tarball.read_bytes()).hexdigest() + " patches:none"
+    assert stamp["executorch_version"] == "1.2.0" and stamp["patches"] == []
+
+
+def test_a_release_source_its_patch_does_not_fit_is_refused_and_leaves_no_source(tmp_path, tools):
+    tree = executorch_tree(tmp_path / "pack" / "executorch", "1.2.0")
+    tarball = tmp_path / "executorch-v1.2.0-src.tar.gz"
+    with tarfile.open(tarball, "w:gz") as tar:
+        tar.add(tree, arcname="executorch")
+    out = tmp_path / "out"
+    done = build(tools, "--tarball", tarball, out, version_file=tree / "version.txt")
+    assert done.returncode == 2
+    assert "executorch-1.2-weight-sharing.patch does not apply" in done.stderr
+    assert not (out / "src").exists() and not (out / "src.tmp").exists()
 
 
 def test_what_is_not_a_source_is_refused_with_the_ways_to_give_one(tmp_path, tools):

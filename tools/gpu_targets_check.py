@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the checkout: commands run from
 from zoo.contract import gpu_targets
 from zoo.core.errors import GpuTargetMismatch
 from zoo.core.report import format_table
+from zoo.contract import run_folder
 from zoo.contract.run_folder import RunFolder
 
 RECIPE = "llama-rope-tiny"
@@ -155,7 +156,8 @@ def main() -> int:
             shutil.rmtree(folder, ignore_errors=True)
             # the export's files only: what this lowering makes must not be mistaken for the native artifact
             shutil.copytree(native, folder, ignore=shutil.ignore_patterns(
-                "attempts", "model.pte", "aoti_cuda_blob.ptd", "so", "manifest.json", "publish"))
+                run_folder.ATTEMPTS_DIR, run_folder.MANIFEST_JSON, run_folder.PUBLISH_DIR,
+                *run_folder.ARTIFACT_OUTPUTS))
             steps[name] = run([sys.executable, "-m", "zoo", "lower", str(folder), "--target", name], out / f"{name}.log")
         facts = lowered_facts(folder, name)
         key = name or next((g.name for g in gpu_targets.GPUS.values() if g.label.lower() in device.name.lower()),

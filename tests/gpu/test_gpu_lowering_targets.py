@@ -26,7 +26,7 @@ from zoo.core.errors import GpuTargetMismatch  # noqa: E402
 from zoo.contract.recipes import load_recipe  # noqa: E402
 from zoo.contract.run_folder import RunFolder  # noqa: E402
 
-from runner_helpers import export_run  # noqa: E402
+from support.run_export import export_run  # noqa: E402
 from support.gpu_kernels import _cuobjdump, _cuobjdump_images
 
 _CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)

@@ -101,8 +101,9 @@ class RuntimeRequirement:
 
     @property
     def device_io(self) -> bool:
-        """No method plans a graph input or output: any input may be a GPU pointer and outputs can stay there."""
-        return not any(any(p["inputs"]) or any(p["outputs"]) for p in self.memory_planned.values())
+        """No method plans a graph input or output: any input may be a GPU pointer and outputs can stay there. A
+        requirement that knows no method's plan (a model.pte this executorch could not read) claims nothing."""
+        return bool(self.memory_planned) and not any(any(p["inputs"]) or any(p["outputs"]) for p in self.memory_planned.values())
 
     def planned_inputs(self, method: str) -> List[bool]:
         return list(self.memory_planned.get(method, {}).get("inputs", []))

@@ -48,13 +48,13 @@ _NO_SECTION = "-"
 def frame_key(code) -> str:
     """``file:function`` of a code object, the file shortened to what identifies it: the part after
     ``site-packages/`` (``torch/_inductor/scheduler.py``), else after this checkout's root
-    (``zoo/lowering.py``), else the full path."""
+    (``zoo/export/trace.py``), else the full path."""
     path = code.co_filename
     marker = "site-packages" + os.sep
     if marker in path:
         path = path.rsplit(marker, 1)[1]
     else:
-        root = str(Path(__file__).resolve().parent.parent) + os.sep
+        root = str(Path(__file__).resolve().parents[2]) + os.sep  # zoo/core/ -> the checkout
         if path.startswith(root):
             path = path[len(root):]
     return f"{path}:{code.co_name}"

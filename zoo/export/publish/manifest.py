@@ -170,7 +170,9 @@ def _runtime_record(run: RunFolder) -> Optional[Dict[str, Any]]:
         return None
 
 
-def build_manifest(run_dir: Union[RunFolder, Path], report: Union[RunReport, Mapping[str, Any]]) -> Dict[str, Any]:
+def build_manifest(run_dir: Union[RunFolder, Path], report: Union[RunReport, Mapping[str, Any]],
+                   files: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The manifest of a run folder; ``files`` replaces the hashed file table (an unverified preview has none)."""
     run = RunFolder(run_dir)
     data = _report_data(report)
     recipe = run.recipe_dict()
@@ -192,7 +194,7 @@ def build_manifest(run_dir: Union[RunFolder, Path], report: Union[RunReport, Map
         "verification": public_section(data.get("verification")),
         "policy_check": public_section(data.get("policy_check")),
         "runtime": _runtime_record(run),
-        "files": file_table(run.path),
+        "files": file_table(run.path) if files is None else files,
     }
 
 
