@@ -383,7 +383,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("[gpu_runtime_check] needs a CUDA device", file=sys.stderr)
         return 2
     if 0 < args.steps < 3:
-        p.error("--steps must be 0 or at least 3 (the issue asks for at least 3 calls)")
+        p.error("--steps must be 0 or at least 3 (a median needs at least 3 timed calls)")
     try:
         runner = et_runtime.find_runner(args.runner)
         info = et_runtime.runner_info(runner)

@@ -137,7 +137,7 @@ def test_a_runner_of_another_release_is_refused(run_dir, fake_zoo_runner, monkey
     monkeypatch.setenv("FAKE_ZOO_RUNNER_VERSION", "1.4.0")
     with pytest.raises(RuntimeMismatch, match=r"needs ExecuTorch's runtime 1.2 .*zoo_runner is ExecuTorch 1.4.0") as e:
         et_runtime.RuntimeSession(run_dir / "model.pte", executable=fake_zoo_runner, requirement=NEED)
-    assert "scripts/build_runtime.sh executorch-v1.2.0-src.tar.xz" in e.value.hint
+    assert "scripts/build_runtime.sh v1.2.0 build/runtime" in e.value.hint
     assert isinstance(e.value, RuntimeNotBuilt)  # a caller that handles "no runtime" handles this one too
     with pytest.raises(RuntimeMismatch):
         et_runtime.run_plan(run_dir / "model.pte", None, [], executable=fake_zoo_runner, requirement=NEED)

@@ -18,7 +18,7 @@ import torch
 from zoo.export import trace as exporting
 from zoo.export import pipeline
 from zoo.export.cpu_check import BufferState, _judge, check_cases, cpu_check
-from zoo.core.errors import LoweringError, RewriteDeclined, VerificationFailed, ZooError
+from zoo.core.errors import Interrupted, LoweringError, RewriteDeclined, VerificationFailed, ZooError
 from zoo.contract.recipes import Tolerance
 from zoo.policies.toy import unit as toy  # tests/families/toy
 from zoo.policies.toy.unit import ToyPool, ToyRead, ToyRope, ToyWrite
@@ -344,7 +344,7 @@ def test_failed_check_leaves_only_the_report(test_recipe, toy_family, tmp_path, 
     assert data["status"] == "failed" and data["failed_stage"] == "cpu_check"
     assert data["error"] == {"type": "VerificationFailed", "message": "CPU check: out.y differs",
                              "hint": "see report.md", "stage": "cpu_check"}
-    assert err.value.zoo_report.stages[-1]["status"] == "failed"
+    assert err.value.report.stages[-1]["status"] == "failed"
     assert not list(tmp_path.glob(".run.*"))
 
 
@@ -354,10 +354,12 @@ def test_interrupt_leaves_only_the_report(test_recipe, toy_family, tmp_path, mon
 
     monkeypatch.setattr(pipeline.exporting, "export_method", interrupted)
     run = tmp_path / "run"
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted) as err:
         pipeline.run_pipeline(test_recipe("toy-pool"), run)
     data = json.loads((run / "report.json").read_text())
     assert data["status"] == "interrupted" and data["failed_stage"] == "export"
+    # The attempt's report and placement travel in declared fields, for the CLI's stage table and "where".
+    assert err.value.report.get("status") == "interrupted" and err.value.placement.folder == run
     assert only_failure_files(run) == FAILED_RUN
 
 
@@ -384,7 +386,7 @@ def test_a_failed_rerun_keeps_the_earlier_run_and_its_report_beside_it(test_reci
     assert attempt.name.endswith("-failed") and only_failure_files(attempt) == FAILED_RUN
     data = json.loads((attempt / "report.json").read_text())
     assert data["status"] == "failed" and data["failed_stage"] == "pull"
-    placement = err.value.zoo_placement
+    placement = err.value.placement
     assert not placement.placed and placement.folder == attempt and placement.earlier == "done"
     assert str(attempt) in placement.describe("failed") and "unchanged" in placement.describe("failed")
     assert not list(tmp_path.glob(".run.*"))

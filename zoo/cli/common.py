@@ -24,6 +24,7 @@ from zoo.core.errors import (  # noqa: F401  (the exit codes are re-exported for
     EXIT_KEPT_ASIDE,
     EXIT_MISMATCH,
     EXIT_OK,
+    Interrupted,
     ZooError,
     exit_status_help,
     storage_error,
@@ -42,19 +43,18 @@ def guarded(command: Callable[[], int], verbose: bool = False) -> int:
             return command()
         except ZooError as exc:
             return report_error(exc, verbose)
-        except KeyboardInterrupt as exc:
-            report = getattr(exc, "zoo_report", None)
-            error = (report.get("error") or {}) if report is not None else {}
+        except Interrupted as exc:
+            error = (exc.report.get("error") or {}) if exc.report is not None else {}
             print(error.get("message") or "interrupted", file=sys.stderr)
-            _print_where(exc)
+            _print_where(exc.report, exc.placement)
+            return EXIT_INTERRUPTED
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
         except OSError as exc:
             refused = storage_error(exc)
             if refused is None:
                 raise
-            for name in ("zoo_report", "zoo_placement"):
-                if hasattr(exc, name):
-                    setattr(refused, name, getattr(exc, name))
             refused.__cause__ = exc
             return report_error(refused, verbose)
 
@@ -66,14 +66,12 @@ def report_error(exc: ZooError, verbose: bool = False) -> int:
     print(f"error: {exc.message}", file=sys.stderr)
     if exc.hint:
         print(f"  what to do: {exc.hint}", file=sys.stderr)
-    _print_where(exc)
+    _print_where(exc.report, exc.placement)
     return exc.exit_code
 
 
-def _print_where(exc: BaseException) -> None:
+def _print_where(report, placement) -> None:
     """Where the failed attempt went, what became of the earlier run, and the command to run next."""
-    placement = getattr(exc, "zoo_placement", None)
-    report = getattr(exc, "zoo_report", None)
     if placement is not None:
         status = report.get("status", "failed") if report is not None else "failed"
         print(placement.describe(status), file=sys.stderr)

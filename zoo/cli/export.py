@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from zoo.cli import common as cli
+from zoo.core.errors import Interrupted, ZooError
 from zoo.core.environ import zoo_command
 from zoo.export.pipeline import run_pipeline
 from zoo.core.progress import setup_logging
@@ -68,7 +69,7 @@ def _export(args: argparse.Namespace) -> int:
             report = run_pipeline(recipe, run_dir, overrides, force=args.force, command=command,
                                   verbose=args.verbose)
     except BaseException as exc:
-        report = getattr(exc, "zoo_report", None)
+        report = exc.report if isinstance(exc, (ZooError, Interrupted)) else None
         if report is not None:
             print_summary(report, headline=False)
         raise

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from zoo.cli import common as cli
+from zoo.core.errors import Interrupted, ZooError
 from zoo.export.pipeline import lower_run
 from zoo.core.progress import setup_logging
 from zoo.export.verify_runtimes import add_runtime_arguments, runner_from_arguments, runtime_overrides
@@ -64,7 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                    verify=not args.no_verify, lower=not args.verify_only, force=args.force,
                                    verbose=args.verbose)
         except BaseException as exc:
-            failed = getattr(exc, "zoo_report", None)
+            failed = getattr(exc, "report", None) if isinstance(exc, (ZooError, Interrupted)) else None
             if failed is not None:  # the stage table of the attempt, then the error (cli.guarded)
                 cli.print_summary(failed, headline=False)
             raise

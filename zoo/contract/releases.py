@@ -81,7 +81,7 @@ def compile_specs(method: str, triton_kernel_mode: str) -> list:
 
 # --- what an artifact needs from the runtime that runs it ------------------------------------------------------------
 
-BUILD_COMMAND = "scripts/build_runtime.sh executorch-v{version}-src.tar.xz build/runtime"
+BUILD_COMMAND = "scripts/build_runtime.sh v{version} build/runtime"  # a tag, cloned; offline: --tarball FILE
 
 
 def release_of(version: str) -> str:

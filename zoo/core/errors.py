@@ -7,7 +7,7 @@ without a traceback. Anything else escaping the CLI is a bug in zoo and keeps it
 from __future__ import annotations
 
 import errno
-from typing import Dict, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 # The exit codes of every zoo command line, documented in each command's --help (``exit_status_help``).
 EXIT_OK = 0
@@ -36,7 +36,10 @@ def exit_status_help(codes: Sequence[int], words: Optional[Dict[int, str]] = Non
 
 
 class ZooError(Exception):
-    """A failure the user can act on. ``hint`` says what to do; ``exit_code`` is what the CLI returns."""
+    """A failure the user can act on. ``hint`` says what to do; ``exit_code`` is what the CLI returns.
+
+    A command that fails part way through an attempt at a run folder sets ``report`` (the attempt's
+    ``RunReport``, whose stage table the CLI prints) and ``placement`` (where the attempt went)."""
 
     exit_code = EXIT_ERROR
 
@@ -44,6 +47,8 @@ class ZooError(Exception):
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self.report: Optional[Any] = None
+        self.placement: Optional[Any] = None
 
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message}\n  what to do: {self.hint}"
@@ -78,9 +83,14 @@ class NoGpuError(ZooError):
 
 
 class VerificationFailed(ZooError):
-    """The artifact does not compute what eager PyTorch computes, within the recipe's tolerances."""
+    """The artifact (or, on the CPU, the rewritten program) does not compute what eager PyTorch computes, within
+    the recipe's tolerances. ``result`` holds the comparison table the stage records."""
 
     exit_code = EXIT_MISMATCH
+
+    def __init__(self, message: str, hint: Optional[str] = None, result: Optional[Any] = None):
+        super().__init__(message, hint)
+        self.result = result
 
 
 class PublishRefused(ZooError):
@@ -137,9 +147,24 @@ class RunnerError(ZooError):
 
 
 class PolicyCheckFailed(ZooError):
-    """The runner's actions differ from the LeRobot policy's own, beyond the recipe's policy_check tolerance."""
+    """The runner's actions differ from the LeRobot policy's own, beyond the recipe's policy_check tolerance.
+    ``result`` holds the per-chunk table."""
 
     exit_code = EXIT_MISMATCH
+
+    def __init__(self, message: str, hint: Optional[str] = None, result: Optional[Any] = None):
+        super().__init__(message, hint)
+        self.result = result
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM during an attempt at a run folder, with the attempt's ``report`` and ``placement``
+    (as on a ``ZooError``) so that the CLI can say where it went."""
+
+    def __init__(self, report: Optional[Any] = None, placement: Optional[Any] = None):
+        super().__init__()
+        self.report = report
+        self.placement = placement
 
 
 def first_line(error: Union[BaseException, str], limit: Optional[int] = None) -> str:

@@ -114,12 +114,11 @@ def cpu_check(unit: ExportUnit, programs: Dict[str, ExportedProgram], recipe,
               "rule": _rule_words(dtype, tol), "worst_rel_l2": _worst(cases_out), "cases": cases_out}
     if failures:
         shown = "; ".join(failures[:3]) + (f"; and {len(failures) - 3} more" if len(failures) > 3 else "")
-        err = VerificationFailed(
+        raise VerificationFailed(
             f"CPU check: the rewritten program does not compute what eager computes ({len(failures)} of {total} "
             f"comparisons failed): {shown}",
-            "see the cpu_check section of report.md; with complex128 rope, rotary_pairs=float64 is exact")
-        err.result = result  # type: ignore[attr-defined]
-        raise err
+            "see the cpu_check section of report.md; with complex128 rope, rotary_pairs=float64 is exact",
+            result=result)
     return result
 
 

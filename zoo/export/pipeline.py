@@ -36,7 +36,8 @@ from zoo import rewrites
 from zoo.export import tiny_hub
 from zoo.export.cpu_check import cpu_check, summary_detail
 from zoo.core.environ import zoo_command
-from zoo.core.errors import LoweringError, NoGpuError, RewriteDeclined, StorageError, ZooError
+from zoo.core.errors import (Interrupted, LoweringError, NoGpuError, RewriteDeclined, StorageError, VerificationFailed,
+                             ZooError, storage_error)
 from zoo.policies.base import ExportUnit
 from zoo.export.policy_check import not_applicable, policy_check_step, record_skip
 from zoo.core.progress import run_log, say
@@ -62,8 +63,7 @@ def run_pipeline(recipe, run_dir: Path, overrides: Sequence[str] = (), *, force:
                  command: Optional[str] = None, verbose: bool = False) -> RunReport:
     """Run every step for ``recipe`` as one attempt at ``run_dir``. Returns the report (its ``placement``
     section says whether the attempt is the run folder now). A failure is recorded in the attempt's report and
-    re-raised (a ``ZooError`` the CLI prints, or ``KeyboardInterrupt``) with ``zoo_report`` and
-    ``zoo_placement`` attached."""
+    re-raised (a ``ZooError`` the CLI prints, or ``Interrupted``) with its ``report`` and ``placement`` set."""
     # Refused before anything is fabricated, downloaded or written: a recipe the family cannot build, and a
     # verification runtime the recipe names but this machine cannot run.
     policies.check_recipe(recipe)
@@ -194,10 +194,26 @@ def _finish(attempt: Attempt, report: RunReport, failure: Optional[BaseException
     if failure is None and placement.write_error:
         failure = StorageError(placement.write_error, "free disk space and run the command again")
     if failure is not None:
-        failure.zoo_report = report  # type: ignore[attr-defined]  # the CLI prints its table
-        failure.zoo_placement = placement  # type: ignore[attr-defined]
-        raise failure
+        raise _with_attempt(failure, report, placement)
     return report
+
+
+def _with_attempt(failure: BaseException, report: RunReport, placement: Placement) -> BaseException:
+    """The failure to raise, carrying the attempt's report and placement in declared fields (the CLI prints the
+    stage table and where the attempt went): a ``ZooError`` itself, Ctrl-C as ``Interrupted``, a storage
+    ``OSError`` as the ``StorageError`` it stands for. Anything else is a bug in zoo and keeps its traceback."""
+    if isinstance(failure, KeyboardInterrupt):
+        interrupted = Interrupted(report, placement)
+        interrupted.__cause__ = failure
+        return interrupted
+    if not isinstance(failure, ZooError):
+        refused = storage_error(failure)
+        if refused is None:
+            return failure
+        refused.__cause__ = failure
+        failure = refused
+    failure.report, failure.placement = report, placement
+    return failure
 
 
 def next_step(report: RunReport, placement: Placement, command: str) -> Dict[str, str]:
@@ -320,8 +336,11 @@ def cpu_check_step(unit: ExportUnit, programs: Dict[str, ExportedProgram], recip
     with timed_stage(report, "cpu_check", "check rewritten programs against eager on the CPU") as facts:
         try:
             result = cpu_check(unit, programs, recipe, reference)
-        except ZooError as exc:
-            report.record("cpu_check", getattr(exc, "result", None))
+        except VerificationFailed as exc:
+            report.record("cpu_check", exc.result)
+            raise
+        except ZooError:
+            report.record("cpu_check", None)
             raise
         report.record("cpu_check", result)
         facts["detail"] = summary_detail(result)

@@ -202,8 +202,7 @@ def require_passed(result: PolicyCheckResult) -> None:
             f"LeRobot's select_action beyond tolerance (runner {result.backend} on {result.device})\n"
             + result.table(),
             "the runner or the artifact does not reproduce the policy: the table shows which chunk; check "
-            "host_settings.json (schedules, shifts, guidance) and the verification report")
-        exc.result = result  # type: ignore[attr-defined]
+            "host_settings.json (schedules, shifts, guidance) and the verification report", result=result)
         raise exc
 
 

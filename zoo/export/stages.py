@@ -176,7 +176,7 @@ def verify_step(run: RunFolder, recipe, report: RunReport, *,
         try:
             verified = verify_artifact(run, recipe, runner_factory=runner_factory, **options)
         except VerificationFailed as exc:
-            result = getattr(exc, "result", None)
+            result = exc.result
             if result is not None:
                 report.record("verification", result.summary())
                 record_tested(result, audited, report)

@@ -414,12 +414,10 @@ def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional
     if agreement and agreement.get("agrees") is False:
         result.notes.append("FINDING: " + agreement["verdict"])
     if raise_on_failure and not result.ok:
-        exc = VerificationFailed(result.failure_message(),
+        raise VerificationFailed(result.failure_message(),
                                  "the rows marked FAIL in the verification table show where; a wrong input order "
                                  "or a kernel the compile got wrong are the usual causes; a runtime that failed "
-                                 "to load or run names the reason (ExecuTorch's own log) above")
-        exc.result = result  # type: ignore[attr-defined]
-        raise exc
+                                 "to load or run names the reason (ExecuTorch's own log) above", result=result)
     return result
 
 

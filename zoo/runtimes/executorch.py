@@ -47,9 +47,9 @@ from zoo.contract.releases import RuntimeRequirement
 from zoo.contract.tensor_file import read_tensor, write_tensor
 
 RUNNER_ENV = "ZOO_ET_RUNNER"
-BUILD_HINT = ("build it with `scripts/build_runtime.sh ../shared/third-party/executorch-v1.2.0-src.tar.xz "
-              "build/runtime` (about 2 minutes on 16 cores; docs/runtime.md) and point ZOO_ET_RUNNER at "
-              "build/runtime/build/zoo_runner")
+BUILD_HINT = ("build it with `scripts/build_runtime.sh v1.2.0 build/runtime` (clones ExecuTorch's tag; offline: "
+              "`--tarball FILE` instead of the tag; about 2 minutes on 16 cores; docs/runtime.md) and point "
+              "ZOO_ET_RUNNER at build/runtime/build/zoo_runner")
 LOG_TAIL_LINES = 30
 PathLike = Union[str, Path]
 # The zoo_runner line protocol with named values ($NAME, keep:NAME, zeros/upload/fetch/drop): runtime/cpp.
