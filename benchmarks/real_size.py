@@ -62,7 +62,7 @@ from zoo.core import atomic
 from zoo.core.report import RunReport, format_table, record_failure
 from zoo.export import pipeline
 from zoo.export import stages as gpu_steps
-from zoo.export.lower.lowering import CUDA_LOWERING, MethodLowering
+from zoo.export.lower.method_lowering import CUDA_LOWERING, MethodLowering
 from zoo.export.lower.workers import ENV_PROFILE_DIR, resolve_function
 
 

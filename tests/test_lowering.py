@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import zoo.export.lower.lowering as lowering
+from zoo.export.lower import compile_settings, constant_plan
 from zoo.contract import artifact
 from zoo.export import audit
 from zoo.core.errors import KernelPreflightRefused, LoweringError, NoGpuError
@@ -267,7 +268,7 @@ def test_inductor_settings_apply_inside_and_restore_after(monkeypatch, tmp_path)
     monkeypatch.setenv("ZOO_INDUCTOR_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("TORCHINDUCTOR_MAX_AUTOTUNE_PRUNE_CHOICES_BASED_ON_SHARED_MEM", raising=False)
     before = (cfg.test_configs.max_mm_configs, cfg.max_autotune_prune_choices_based_on_shared_mem)
-    with lowering.inductor_settings(3) as options:
+    with compile_settings.inductor_settings(3) as options:
         assert cfg.test_configs.max_mm_configs == 3
         assert cfg.max_autotune_prune_choices_based_on_shared_mem is True
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "cache")
@@ -294,7 +295,7 @@ def test_the_lowering_compiles_with_the_ptxas_of_inductors_compile_workers(monke
     # the pool compiled is compiled again in the lowering's own thread.
     monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
     want = _inductor_workers_ptxas()
-    with lowering.inductor_settings(None) as options:
+    with compile_settings.inductor_settings(None) as options:
         assert os.environ.get("TRITON_PTXAS_PATH", "") == want
         assert (options["triton_ptxas"] or "") == want
     assert "TRITON_PTXAS_PATH" not in os.environ
@@ -303,7 +304,7 @@ def test_the_lowering_compiles_with_the_ptxas_of_inductors_compile_workers(monke
 def test_an_operators_ptxas_is_kept(monkeypatch, tmp_path):
     chosen = tmp_path / "ptxas"
     monkeypatch.setenv("TRITON_PTXAS_PATH", str(chosen))
-    with lowering.inductor_settings(None) as options:
+    with compile_settings.inductor_settings(None) as options:
         assert os.environ["TRITON_PTXAS_PATH"] == str(chosen) == options["triton_ptxas"]
     assert os.environ["TRITON_PTXAS_PATH"] == str(chosen)
 
@@ -370,11 +371,11 @@ def test_the_shared_plan_is_used_only_where_it_costs_little_gpu_memory():
     # By hand: the trunk (64*64+64 floats) read twice, each head (64*2+2) once; one table holds all three.
     trunk, head = (64 * 64 + 64) * 4, (64 * 2 + 2) * 4
     assert shared.gpu_growth(2) == pytest.approx(2 * (trunk + 2 * head) / (2 * trunk + 2 * head) - 1)
-    assert lowering.plan_decision(shared, 2)["applied"] is True
+    assert constant_plan.plan_decision(shared, 2)["applied"] is True
     assert apart.gpu_growth(2) == pytest.approx(1.0)  # each blob would hold both methods' weights: twice the memory
-    decision = lowering.plan_decision(apart, 2)
+    decision = constant_plan.plan_decision(apart, 2)
     assert decision["applied"] is False and "mostly different weights" in decision["why"]
-    assert lowering.plan_decision(shared, 1)["applied"] is False
+    assert constant_plan.plan_decision(shared, 1)["applied"] is False
 
 
 def test_methods_that_read_the_same_weights_share_a_table_and_the_others_keep_theirs():
@@ -416,12 +417,12 @@ def test_methods_that_read_the_same_weights_share_a_table_and_the_others_keep_th
     groups = sharing_groups(reads)
     assert groups == [["encode_first", "encode"], ["video_step", "action_step"]]
     plans = [(g, plan_constants({m: programs[m] for m in g})) for g in groups]
-    decision = lowering.plans_decision(plans)
+    decision = constant_plan.plans_decision(plans)
     assert [g["applied"] for g in decision["groups"]] == [True, True] and decision["applied"] is True
     assert decision["bytes"] == ((16 * 16 + 16) + (64 * 64 + 64) + 2 * (64 * 2 + 2)) * 4  # each weight once
     assert "video_step + action_step: " in decision["why"]
     # One table for all four, as before grouping: not applied, so nothing was shared.
-    assert lowering.plan_decision(plan_constants(programs), 4)["applied"] is False
+    assert constant_plan.plan_decision(plan_constants(programs), 4)["applied"] is False
     # Below the share, methods stay apart: the trunk is not most of what a method reads that barely uses it.
     assert sharing_groups({"a": {"t": 10, "x": 90}, "b": {"t": 10, "y": 90}}) == [["a"], ["b"]]
     assert sharing_groups({"a": {"t": 60, "x": 40}, "b": {"t": 60, "y": 40}}) == [["a", "b"]]

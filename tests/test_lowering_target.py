@@ -17,7 +17,7 @@ import torch
 
 from support.gpu_kernels import A100, H200, _cuobjdump, _cuobjdump_images
 from zoo.contract import gpu_targets
-from zoo.export.lower import lowering
+from zoo.export.lower import compile_settings, lowering
 from zoo.export.lower import target as lowering_target
 from zoo.core.errors import GpuTargetMismatch, LoweringError, RecipeError
 from zoo.contract.gpu_targets import Device
@@ -71,7 +71,7 @@ def test_the_recipe_takes_a_target_by_name_and_refuses_an_unknown_one():
 
 def test_lowering_refuses_an_orin_target_before_compiling(monkeypatch, tmp_path):
     # The device queries stubbed: this machine is an H200 box.
-    monkeypatch.setattr(lowering, "cuda_device_info", lambda: {"name": "NVIDIA H200", "capability": "90"})
+    monkeypatch.setattr(compile_settings, "cuda_device_info", lambda: {"name": "NVIDIA H200", "capability": "90"})
     monkeypatch.setattr(lowering, "local_device", lambda: H200_HOST)
     monkeypatch.setattr(lowering, "ensure_flatc", lambda: pytest.fail("got past the target check"))
     recipe = load_recipe("llama-rope-tiny", ["lowering.target=orin"])

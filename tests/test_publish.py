@@ -32,7 +32,7 @@ from zoo.export.publish import upload as publishing
 from zoo.export.audit import AuditResult, MethodAudit
 from zoo.core.errors import PublishRefused
 from zoo.export.pull import Checkpoint
-from zoo.export.lower.lowering import LoweringResult
+from zoo.export.lower.outputs import LoweringResult
 from zoo.export.publish.manifest import read_manifest, write_manifest
 from zoo.core.numerics import compare, judge
 from zoo.export.pipeline import _as_record, io_spec

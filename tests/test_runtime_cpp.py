@@ -51,7 +51,7 @@ MODULES = {"gather": Gather().eval(), "video_step": PoolWrite(1.0), "action_step
 def program(tmp_path_factory):
     from executorch.exir import ExecutorchBackendConfig, to_edge
 
-    from zoo.export.lower.lowering import ensure_flatc
+    from zoo.contract.artifact import ensure_flatc
 
     ensure_flatc()  # writing a .pte needs flatc
     torch.manual_seed(0)
@@ -282,7 +282,7 @@ def test_inputs_left_out_of_memory_planning_take_the_callers_memory(tmp_path):
     from executorch.exir import ExecutorchBackendConfig, to_edge
     from executorch.exir.passes import MemoryPlanningPass
 
-    from zoo.export.lower.lowering import ensure_flatc
+    from zoo.contract.artifact import ensure_flatc
 
     ensure_flatc()
     example = (torch.randn(2, 4), torch.tensor([1, 3]), torch.zeros(5, 4))

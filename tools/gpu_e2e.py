@@ -22,7 +22,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 from zoo.contract.run_folder import RunFolder
 from zoo.core.report import format_table, markdown_table
@@ -107,6 +107,33 @@ def table(results: List[Dict]) -> List[List[str]]:
     return rows
 
 
+def run_tiny(args: argparse.Namespace, results: List[Dict], save: Callable[[], None]) -> None:
+    """The tiny recipes at each rotary_pairs value, side by side, then the broken-artifact check."""
+    jobs = [(f"{r}.{p}", r, [f"rotary_pairs={p}"]) for r in args.recipes for p in args.pairs]
+    if "llama-rope-tiny" in args.recipes:  # the other weights for the broken-artifact check
+        jobs.append(("llama-rope-tiny.seed1", "llama-rope-tiny", ["rotary_pairs=float32", "source.seed=1"]))
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for res in pool.map(lambda j: run_export(*j, args.runs, args.timeout), jobs):
+            results.append(res)
+            print(f"[e2e] {res['name']}: rc={res['rc']} {res['verdict']} in {res['wall_s']} s", flush=True)
+            save()
+    if (args.runs / "llama-rope-tiny.float32").exists():
+        results.append(broken_artifact(args.runs, "llama-rope-tiny.float32", "llama-rope-tiny.seed1",
+                                       "broken-weights", args.timeout))
+    save()
+
+
+def run_gpu_tests(out: Path, timeout: int) -> Dict:
+    """pytest tests/gpu, its log saved beside the results; the result row with each test's outcome."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu", "-rA"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    (out / "gpu_tests.log").write_text(proc.stdout + proc.stderr)
+    tail = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED"))]
+    return {"name": "pytest tests/gpu", "rc": proc.returncode, "wall_s": round(time.perf_counter() - start, 1),
+            "verdict": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "no output", "tests": tail}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -127,34 +154,14 @@ def main() -> int:
                                                        "wall_s": round(time.perf_counter() - started, 1)}, indent=2))
 
     if args.part in ("tiny", "all"):
-        jobs = [(f"{r}.{p}", r, [f"rotary_pairs={p}"]) for r in args.recipes for p in args.pairs]
-        if "llama-rope-tiny" in args.recipes:  # the other weights for the broken-artifact check
-            jobs.append(("llama-rope-tiny.seed1", "llama-rope-tiny", ["rotary_pairs=float32", "source.seed=1"]))
-        with ThreadPoolExecutor(args.jobs) as pool:
-            for res in pool.map(lambda j: run_export(*j, args.runs, args.timeout), jobs):
-                results.append(res)
-                print(f"[e2e] {res['name']}: rc={res['rc']} {res['verdict']} in {res['wall_s']} s", flush=True)
-                save()
-        if (args.runs / "llama-rope-tiny.float32").exists():
-            results.append(broken_artifact(args.runs, "llama-rope-tiny.float32", "llama-rope-tiny.seed1",
-                                           "broken-weights", args.timeout))
-        save()
+        run_tiny(args, results, save)
     if args.part in ("smollm", "all"):
         results.append(run_export("llama-rope.smollm2-135m-random", "llama-rope", ["source.fabricate=true"],
                                   args.runs, args.timeout))
         save()
     if args.part in ("tests", "all"):
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu", "-rA"],
-                              capture_output=True, text=True, cwd=ROOT, timeout=args.timeout)
-        (args.out / "gpu_tests.log").write_text(proc.stdout + proc.stderr)
-        tail = [ln for ln in proc.stdout.splitlines() if ln.startswith(("PASSED", "FAILED", "ERROR", "SKIPPED"))]
-        results.append({"name": "pytest tests/gpu", "rc": proc.returncode,
-                        "wall_s": round(time.perf_counter() - start, 1),
-                        "verdict": proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else "no output",
-                        "tests": tail})
+        results.append(run_gpu_tests(args.out, args.timeout))
         save()
-
     for r in results:
         report = RunFolder(args.runs / r["name"]).report_md
         if report.exists():

@@ -48,7 +48,7 @@ import zoo.core.atomic
 import zoo.cli.export
 import zoo.export.stages
 import zoo.cli.lower
-import zoo.export.lower.lowering
+import zoo.export.lower.method_lowering
 import zoo.export.pipeline
 import zoo.cli.publish
 import zoo.export.publish.upload
@@ -285,14 +285,14 @@ def _hook_stages(stage: str, fault: str) -> None:
             module.timed_stage = timed_stage
     if stage == "preflight":
         # Where a GPU lowers, the kernel preflight runs inside each method's lowering, on its edge program
-        # (zoo.export.lower.lowering.lower_with_partitioner), under the "lower" stage: the fault hits when it starts.
-        preflight = zoo.export.lower.lowering.require_kernels
+        # (zoo.export.lower.method_lowering.lower_with_partitioner), under the "lower" stage: the fault hits when it starts.
+        preflight = zoo.export.lower.method_lowering.require_kernels
 
         def require_kernels(*args, **kwargs):
             _inject(fault)
             return preflight(*args, **kwargs)
 
-        zoo.export.lower.lowering.require_kernels = require_kernels
+        zoo.export.lower.method_lowering.require_kernels = require_kernels
 
 
 def _hook_publish(fault: str) -> None:

@@ -173,6 +173,24 @@ class Recipe:
         def fail(what: str, hint: str) -> None:
             raise RecipeError(f"recipe {self.name!r}: {what}", hint)
 
+        self._validate_family(need, fail)
+        self._validate_lowering_words(need)
+        for name in self.rewrites:
+            need(name in rewrites.names(), "rewrites", name, rewrites.names())
+        if len(set(self.rewrites)) != len(self.rewrites):
+            fail(f"rewrites lists a rewrite twice: {list(self.rewrites)}", "name each rewrite once")
+        self._validate_source(fail)
+        self._validate_methods(fail)
+        self._validate_dynamic(fail)
+        self._validate_verify(need, fail)
+        self._validate_policy_check(fail)
+        if self.lowering.max_mm_configs is not None and self.lowering.max_mm_configs < 1:
+            fail(f"lowering.max_mm_configs={self.lowering.max_mm_configs}", "use null (no cap) or a count >= 1")
+        if self.lowering.workers is not None and self.lowering.workers < 1:
+            fail(f"lowering.workers={self.lowering.workers}", "use null (as the machine allows) or a count >= 1")
+        return self
+
+    def _validate_family(self, need, fail) -> None:
         families = policies.family_names()
         need(self.family in families, "family", self.family, families)
         options = self.unit.options
@@ -183,6 +201,9 @@ class Recipe:
             options.validate(fail)
         need(self.unit.dtype in DTYPES, "unit.dtype", self.unit.dtype, DTYPES)
         need(self.rotary_pairs in PAIR_DTYPES, "rotary_pairs", self.rotary_pairs, PAIR_DTYPES)
+
+    def _validate_lowering_words(self, need) -> None:
+        """The lowering's named choices, normalised to the words the code compares against."""
         # YAML 1.1 reads an unquoted ON/OFF (also on the command line: triton_kernel_mode=ON) as a boolean,
         # which omegaconf then stores as "True"/"False": take those to mean what was typed.
         self.lowering.triton_kernel_mode = {"true": "ON", "false": "OFF", "on": "ON", "off": "OFF"}.get(
@@ -193,11 +214,8 @@ class Recipe:
         if self.lowering.target is not None:
             need(str(self.lowering.target).lower() in GPUS, "lowering.target", self.lowering.target, list(GPUS))
             self.lowering.target = str(self.lowering.target).lower()
-        for name in self.rewrites:
-            need(name in rewrites.names(), "rewrites", name, rewrites.names())
-        if len(set(self.rewrites)) != len(self.rewrites):
-            fail(f"rewrites lists a rewrite twice: {list(self.rewrites)}", "name each rewrite once")
-        self._validate_source(fail)
+
+    def _validate_methods(self, fail) -> None:
         if not self.unit.methods:
             fail("unit.methods is empty", "name at least one method")
         for method in self.unit.methods:
@@ -206,7 +224,8 @@ class Recipe:
                      "method names become ExecuTorch method and file names: use letters, digits and _")
         if len(set(self.unit.methods)) != len(self.unit.methods):
             fail(f"unit.methods lists a method twice: {list(self.unit.methods)}", "name each method once")
-        self._validate_dynamic(fail)
+
+    def _validate_verify(self, need, fail) -> None:
         if not self.verify.seeds:
             fail("verify.seeds is empty", "give at least one seed")
         tol = self.verify.tolerance
@@ -220,6 +239,8 @@ class Recipe:
                 need(name in VERIFY_RUNTIME_WORDS, "verify.runtimes", name, VERIFY_RUNTIME_WORDS)
         if not -1.0 <= tol.bf16_min_cosine <= 1.0:
             fail(f"verify.tolerance.bf16_min_cosine={tol.bf16_min_cosine}", "a cosine lies in [-1, 1]")
+
+    def _validate_policy_check(self, fail) -> None:
         check = self.policy_check
         if check.chunks < 1:
             fail(f"policy_check.chunks={check.chunks}",
@@ -230,11 +251,6 @@ class Recipe:
                      "tolerances are > 0")
         if not -1.0 <= check.tolerance.bf16_min_cosine <= 1.0:
             fail(f"policy_check.tolerance.bf16_min_cosine={check.tolerance.bf16_min_cosine}", "a cosine lies in [-1, 1]")
-        if self.lowering.max_mm_configs is not None and self.lowering.max_mm_configs < 1:
-            fail(f"lowering.max_mm_configs={self.lowering.max_mm_configs}", "use null (no cap) or a count >= 1")
-        if self.lowering.workers is not None and self.lowering.workers < 1:
-            fail(f"lowering.workers={self.lowering.workers}", "use null (as the machine allows) or a count >= 1")
-        return self
 
     def _validate_source(self, fail) -> None:
         src = self.source

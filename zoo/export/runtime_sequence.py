@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -101,7 +101,6 @@ def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str 
     for s, m in enumerate(order):
         used = {d: sizes[d] for spec in specs[m] for d in spec.shape if isinstance(d, str)}
         drawn.append(verify.draw_inputs(specs[m], used, seed=s, method=m))
-    low = recipe.unit.dtype == "bfloat16"
     plan = []
     for s, m in enumerate(order):
         inputs: List[Any] = list(drawn[s])
@@ -111,38 +110,55 @@ def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str 
     requirement = requirement_for(run, io_memory_planning)
     result = et_runtime.run_plan(run.pte, run.ptd if run.ptd.exists() else None, plan, executable=runner,
                                  require_cuda=require_cuda, requirement=requirement)
-
-    def eager_chain(kind: str, cast) -> List[List[torch.Tensor]]:
-        modules = {m: verify._eager_module(run.program(kind, m), device) for m in methods}
-        outs: List[List[torch.Tensor]] = []
-        with torch.no_grad(), verify.full_fp32_precision():
-            for s, m in enumerate(order):
-                inputs = [cast(t).to(device) for t in drawn[s]]
-                for i in stateful[m]:
-                    inputs[i] = torch.zeros_like(inputs[i]) if s == 0 else outs[-1][source(s, i)]
-                outs.append(verify._flat_tensors(modules[m](*inputs)))
-        return outs
-
-    want = eager_chain("exported", lambda t: t)
-    want32 = eager_chain("reference_fp32", verify._to_fp32) if low else None
-    rows = []
-    for s, m in enumerate(order):
-        got = [t.to(device) for t in result.outputs[s] if t is not None]
-        judged = verify.compare_outputs(outputs[m], got, want[s], recipe.verify.tolerance,
-                                        ref_fp32=want32[s] if want32 else None)
-        for c, bound, facts in judged:
-            rows.append({"step": s, "method": m, "output": c.name, "rel_l2": c.rel_l2, "cosine": c.cosine,
-                         "max_abs": c.max_abs, "tolerance": bound, "ok": c.ok, "why": c.why})
-    # The pool is handed over inside the runner: on the GPU (where the backend left it), never copied to the host
-    # for planned input memory, never copied to outlive a call (zoo_runner's counts; docs/runtime.md).
-    on_gpu = all(reply["device"][k] for reply in result.replies for k in range(len(reply["device"]))
-                 if reply["outputs"][k] is None)
-    crossing = {"host_copies": int(result.summary.get("host_copies", 0)),
-                "rescued": int(result.summary.get("rescued", 0)), "kept_on_gpu": on_gpu}
+    chain = dict(methods=methods, order=order, drawn=drawn, stateful=stateful, source=source, device=device)
+    want = _eager_chain(run, "exported", lambda t: t, **chain)
+    want32 = _eager_chain(run, "reference_fp32", verify._to_fp32, **chain) if recipe.unit.dtype == "bfloat16" else None
+    rows = _sequence_rows(order, outputs, result.outputs, want, want32, recipe.verify.tolerance, device)
+    crossing = _state_crossing(result)
     state_ok = crossing["rescued"] == 0 and (crossing["host_copies"] == 0 or not requirement.device_io)
     return {"recipe": recipe.name, "steps": order, "step_ms": result.step_ms, "rows": rows, "state": crossing,
             "passed": bool(rows) and all(r["ok"] for r in rows) and state_ok,
             "load_ms": result.summary.get("load_ms"), "gpu_loaded_mib": result.summary.get("gpu_loaded_mib")}
+
+
+def _eager_chain(run: RunFolder, kind: str, cast: Callable[[torch.Tensor], torch.Tensor], *,
+                 methods: Sequence[str], order: List[str],
+                 drawn: List[Sequence[torch.Tensor]], stateful: Dict[str, List[int]],
+                 source: Callable[[int, int], int], device: str) -> List[List[torch.Tensor]]:
+    """The run's ``kind`` programs called in ``order`` eagerly, each call's state inputs fed from the previous
+    call's outputs as the runner feeds them: the sequence's reference."""
+    modules = {m: verify._eager_module(run.program(kind, m), device) for m in methods}
+    outs: List[List[torch.Tensor]] = []
+    with torch.no_grad(), verify.full_fp32_precision():
+        for s, m in enumerate(order):
+            inputs = [cast(t).to(device) for t in drawn[s]]
+            for i in stateful[m]:
+                inputs[i] = torch.zeros_like(inputs[i]) if s == 0 else outs[-1][source(s, i)]
+            outs.append(verify._flat_tensors(modules[m](*inputs)))
+    return outs
+
+
+def _sequence_rows(order: List[str], outputs: Dict[str, List[str]], got_outputs: Sequence[Sequence[Any]],
+                   want: List[List[torch.Tensor]], want32: Optional[List[List[torch.Tensor]]], tolerance: Any,
+                   device: str) -> List[Dict[str, Any]]:
+    """One row per call and output: the runner's output against the eager chain's."""
+    rows = []
+    for s, m in enumerate(order):
+        got = [t.to(device) for t in got_outputs[s] if t is not None]
+        judged = verify.compare_outputs(outputs[m], got, want[s], tolerance, ref_fp32=want32[s] if want32 else None)
+        for c, bound, facts in judged:
+            rows.append({"step": s, "method": m, "output": c.name, "rel_l2": c.rel_l2, "cosine": c.cosine,
+                         "max_abs": c.max_abs, "tolerance": bound, "ok": c.ok, "why": c.why})
+    return rows
+
+
+def _state_crossing(result: Any) -> Dict[str, Any]:
+    """How the pool was handed over inside the runner: on the GPU (where the backend left it), never copied to the
+    host for planned input memory, never copied to outlive a call (zoo_runner's counts; docs/runtime.md)."""
+    on_gpu = all(reply["device"][k] for reply in result.replies for k in range(len(reply["device"]))
+                 if reply["outputs"][k] is None)
+    return {"host_copies": int(result.summary.get("host_copies", 0)),
+            "rescued": int(result.summary.get("rescued", 0)), "kept_on_gpu": on_gpu}
 
 
 def state_positions(run: RunFolder, method: str) -> Dict[str, List[int]]:

@@ -32,7 +32,8 @@ from torch.export import ExportedProgram
 
 from zoo.export import audit
 from zoo.export import trace as exporting
-from zoo.export.lower import lowering
+from zoo.export.lower import compile_settings, lowering
+from zoo.export.lower.outputs import LoweringResult
 from zoo.export.lower import preflight
 from zoo.contract.artifact import PTD_NAME, PTE_NAME
 from zoo.core.errors import KernelPreflightRefused, LoweringError, NoGpuError, VerificationFailed, ZooError, first_line
@@ -58,7 +59,7 @@ def run_gpu_steps(run: RunFolder, recipe, report: RunReport, *, lower: bool = Tr
     if lower:
         files = read_or_fail_preflight(report, lambda: program_files(run, recipe.unit.methods))
         try:
-            lowering.cuda_device_info()
+            compile_settings.cuda_device_info()
         except NoGpuError as exc:
             # Nothing lowers here: the kernel preflight still tells now whether the lowering would be refused.
             programs = read_or_fail_preflight(report, lambda: saved_programs(run, recipe.unit.methods))
@@ -123,7 +124,7 @@ def preflight_step(programs: Dict[str, ExportedProgram], recipe, report: RunRepo
 
 
 def lower_step(programs: Mapping[str, Union[ExportedProgram, Path]], run: RunFolder, recipe, report: RunReport, *,
-               preflight: bool = True, **options: Any) -> lowering.LoweringResult:
+               preflight: bool = True, **options: Any) -> LoweringResult:
     """Lower every method (``programs``: each a program or its saved file; ``options`` go to
     ``lowering.lower_to_pte``). With ``preflight``, the kernel preflight runs inside each method's lowering,
     on its edge program, and is recorded as its own stage; a refusal fails that stage and nothing compiles."""

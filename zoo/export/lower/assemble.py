@@ -20,7 +20,7 @@ are copied from where they lie (never all in memory: a LingBot-VA weights blob i
 bytes are identical share one segment. So two methods whose weight blobs are byte-identical (see
 ``zoo.export.lower.constant_plan``) cost one copy in the file, both keys naming the one segment.
 
-Writing is atomic in the order ``zoo.export.lower.lowering.write_artifacts`` uses: the old ``.pte`` is removed first, the
+Writing is atomic in the order ``zoo.export.lower.outputs.write_artifacts`` uses: the old ``.pte`` is removed first, the
 data files are moved into place next, and the ``.pte`` last, as the commit point.
 """
 

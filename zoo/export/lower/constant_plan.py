@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 from torch.export import ExportedProgram
@@ -47,6 +47,11 @@ _STATE_KINDS = {InputKind.PARAMETER: "parameter", InputKind.BUFFER: "buffer",
 # Two methods share a constant table when the weights both read are at least this share of the smaller one's
 # (``sharing_groups``).
 GROUP_MIN_SHARE = 0.5
+# The shared constant plan makes every method's blob hold every shared constant: on a runtime where each method
+# loads its own blob (ExecuTorch 1.2) that costs the other methods' own weights. It is used when that costs at
+# most this much more GPU memory than the methods' own tables (LingBot-VA: +1.4%); methods with mostly
+# separate weights are lowered with their own tables.
+PLAN_MAX_GPU_GROWTH = 0.05
 
 
 @dataclass
@@ -203,6 +208,41 @@ def sharing_groups(reads: Mapping[str, Mapping[str, int]], min_share: float = GR
     for m in methods:
         groups.setdefault(root(m), []).append(m)
     return list(groups.values())
+
+
+def plans_decision(plans: Sequence[Tuple[List[str], ConstantPlan]]) -> Dict[str, Any]:
+    """``plan_decision`` for each group of methods (``constant_plan.sharing_groups``), and the whole: applied
+    when some group's table is; ``bytes`` counts the constants the methods read, once per group."""
+    groups = [{"methods": list(group), **plan_decision(plan, len(group))} for group, plan in plans]
+    applied = [g for g in groups if g["applied"]]
+    private: Dict[str, str] = {}
+    for g in groups:  # once, for the whole
+        private.update(g.pop("private"))
+    if len(groups) == 1:
+        why = groups[0]["why"]
+    else:
+        why = "; ".join(f"{' + '.join(g['methods'])}: {g['why']}" for g in groups)
+    return {"applied": bool(applied), "groups": groups, "constants": sum(g["constants"] for g in applied),
+            "bytes": sum(g["bytes"] for g in groups), "read_bytes": sum(g["read_bytes"] for g in groups),
+            "private": private, "why": why}
+
+
+def plan_decision(plan: ConstantPlan, methods: int) -> Dict[str, Any]:
+    """Whether the methods get the shared constant table, and why (``PLAN_MAX_GPU_GROWTH``)."""
+    growth = plan.gpu_growth(methods)
+    record = {"applied": False, "constants": len(plan.constants), "bytes": plan.nbytes,
+              "read_bytes": plan.read_nbytes, "gpu_growth": round(growth, 4), "private": dict(plan.private)}
+    if methods < 2 or not plan.constants:
+        record["why"] = "one method: nothing to share" if methods < 2 else "no constant is shared"
+    elif growth > PLAN_MAX_GPU_GROWTH:
+        record["why"] = (f"not applied: the methods read mostly different weights; one table for all would take "
+                         f"{growth:.0%} more GPU memory on runtimes that load each method's blob (limit "
+                         f"{PLAN_MAX_GPU_GROWTH:.0%})")
+    else:
+        record["applied"] = True
+        record["why"] = (f"{len(plan.constants)} constants, {plan.nbytes / 2**20:.1f} MiB in every method's .so "
+                         f"({growth:+.1%} GPU memory on runtimes that load each method's blob)")
+    return record
 
 
 def plan_values(program: ExportedProgram, plan: ConstantPlan) -> Dict[str, torch.Tensor]:

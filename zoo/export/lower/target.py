@@ -176,7 +176,7 @@ def stages_hook(arch: int, shared_memory: int, nvcc: str):
 @contextlib.contextmanager
 def target_compile(plan: Optional[Mapping[str, Any]]) -> Iterator[None]:
     """The compile settings of a ``ptx`` plan (``TargetPlan.record()``) for the block; nothing for another.
-    Entered inside ``lowering.inductor_settings`` (its cache folder gets a subfolder per target)."""
+    Entered inside ``compile_settings.inductor_settings`` (its cache folder gets a subfolder per target)."""
     if not plan or plan.get("mode") != PTX:
         yield
         return

@@ -191,17 +191,7 @@ def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
     Returns the parts in job order. Raises the failed method's error (after stopping the other workers) if any
     worker fails; nothing is assembled then.
     """
-    if not jobs:
-        raise LoweringError("no methods to lower", "the unit names its methods in unit.methods")
-    names = [job.method for job in jobs]
-    if len(set(names)) != len(names):
-        raise LoweringError(f"a method is named twice in {names}", "give each job a different method")
-    worker_env = _worker_env(env)
-    _resolve_as_worker(function, worker_env)  # refuse a bad name here, not once per worker
-    for job in jobs:
-        if not isinstance(job.program, (str, Path)) or not Path(job.program).is_file():
-            raise LoweringError(f"the program of method {job.method!r} is missing: {job.program}",
-                                "save each method's exported program (torch.export.save) before lowering")
+    worker_env = _checked_worker_env(jobs, function, env)
     workers = max_workers if max_workers is not None else default_max_workers(len(jobs))
     if workers < 1:
         raise LoweringError(f"max_workers={workers} must be at least 1", "lower at least one method at a time")
@@ -222,20 +212,7 @@ def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
                     f"(log {running[job.method].log})")
                 if bar is not None:
                     bar.begin(", ".join(running))
-            for method, run in list(running.items()):
-                code = run.process.poll()
-                if code is None:
-                    continue
-                del running[method]
-                seconds = time.monotonic() - run.started
-                if code != 0:
-                    say(f"lowering {method}: FAILED after {seconds:.1f} s (exit {code})")
-                    raise _worker_error(run, code)
-                parts[method] = _collect(run, seconds)
-                say(f"lowering {method}: done in {seconds:.1f} s")
-                if bar is not None:
-                    bar.advance()
-                    bar.begin(", ".join(running))
+            _collect_finished(running, parts, say=say, bar=bar)
             if running and time.monotonic() - last_beat >= heartbeat_s:
                 now = time.monotonic()
                 say("lowering: " + ", ".join(f"{m} running {now - r.started:.0f} s" for m, r in running.items())
@@ -248,6 +225,43 @@ def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
             _stop(run.process)
             say(f"lowering {run.job.method}: stopped")
     return {job.method: parts[job.method] for job in jobs}
+
+
+def _checked_worker_env(jobs: Sequence[MethodJob], function: str,
+                        env: Optional[Mapping[str, str]]) -> Dict[str, str]:
+    """The workers' environment, once the jobs are known to be lowerable: at least one, each method once, the
+    function importable as a worker will import it, every program saved."""
+    if not jobs:
+        raise LoweringError("no methods to lower", "the unit names its methods in unit.methods")
+    names = [job.method for job in jobs]
+    if len(set(names)) != len(names):
+        raise LoweringError(f"a method is named twice in {names}", "give each job a different method")
+    worker_env = _worker_env(env)
+    _resolve_as_worker(function, worker_env)  # refuse a bad name here, not once per worker
+    for job in jobs:
+        if not isinstance(job.program, (str, Path)) or not Path(job.program).is_file():
+            raise LoweringError(f"the program of method {job.method!r} is missing: {job.program}",
+                                "save each method's exported program (torch.export.save) before lowering")
+    return worker_env
+
+
+def _collect_finished(running: Dict[str, "_Running"], parts: Dict[str, MethodPart], *,
+                      say: Callable[[str], None], bar: Optional[Progress]) -> None:
+    """Move each worker that has exited from ``running`` to ``parts``; a failed one raises its error."""
+    for method, run in list(running.items()):
+        code = run.process.poll()
+        if code is None:
+            continue
+        del running[method]
+        seconds = time.monotonic() - run.started
+        if code != 0:
+            say(f"lowering {method}: FAILED after {seconds:.1f} s (exit {code})")
+            raise _worker_error(run, code)
+        parts[method] = _collect(run, seconds)
+        say(f"lowering {method}: done in {seconds:.1f} s")
+        if bar is not None:
+            bar.advance()
+            bar.begin(", ".join(running))
 
 
 def lower_and_assemble(jobs: Sequence[MethodJob], function: str, work_dir: Path, out_dir: Path, *,
