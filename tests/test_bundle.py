@@ -172,3 +172,22 @@ def test_tiny_recipes_hub_cache_leaves_room_for_the_wheels_under_60_mb(tmp_path)
             with safe_open(str(path), framework="pt") as f:
                 dtypes = {f.get_slice(name).get_dtype() for name in f.keys()}
             assert dtypes <= {"BF16", "I64", "BOOL"}, (path, dtypes)
+
+
+def test_a_dependency_with_no_wheel_for_the_target_is_stood_in_and_left_out(tmp_path):
+    # Like executorch 1.2.0's coremltools==9.0 on Linux aarch64: required, never imported by zoo, no wheel there.
+    index = tmp_path / "index"
+    index.mkdir()
+    make_wheel(index, "zoofix-runtime", "1.0", ["zoofix-apple==9.0", "zoofix-shared"])
+    make_wheel(index, "zoofix-shared", "1.0")
+    with pytest.raises(BundleError, match="zoofix-apple"):
+        build_bundle(tmp_path / "plain", weights=False, requirements=["zoofix-runtime"], find_links=[str(index)],
+                     no_index=True, sdist_only={}, stand_ins={})
+    manifest = build_bundle(tmp_path / "bundle", weights=False, requirements=["zoofix-runtime"],
+                            find_links=[str(index)], no_index=True, sdist_only={},
+                            stand_ins={"zoofix-apple": ("9.0", "its Apple backend")})
+    assert sorted(Path(w["file"]).name for w in manifest.wheels) == ["zoofix_runtime-1.0-py3-none-any.whl",
+                                                                     "zoofix_shared-1.0-py3-none-any.whl"]
+    assert manifest.left_out == {"zoofix-apple": "not used on the target (its Apple backend): resolved against an "
+                                                 "empty stand-in of 9.0"}
+

@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Set
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from zoo.cli import common as cli
 from zoo.core.atomic import write_json
@@ -40,6 +40,15 @@ from zoo.core.report import format_table
 SDIST_ONLY: Dict[str, str] = {"antlr4-python3-runtime": "4.9.3"}
 
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_28_aarch64")
+
+# Dependencies of zoo's dependencies that zoo never imports and that have no wheel for a platform: pip resolves
+# against an empty stand-in wheel of that version, and neither it nor what only it needs travels. executorch 1.2.0
+# requires coremltools 9.0 on Linux for its Core ML (Apple) backend; coremltools 9.0 ships Linux wheels for
+# x86-64 only, so without this no aarch64 (Jetson) bundle resolves. The target installs with --no-deps.
+STAND_INS: Dict[str, Dict[str, Tuple[str, str]]] = {
+    "manylinux_2_28_aarch64": {"coremltools": ("9.0", "executorch's Core ML (Apple) backend, which zoo does not use; "
+                                                      "no Linux aarch64 wheel exists")},
+}
 BUNDLE_MANIFEST = "manifest.json"  # the bundle's own file list (a bundle is not a run folder)
 
 
@@ -131,6 +140,21 @@ def _index_args(index_url: Optional[str], find_links: Sequence[str], no_index: b
     for link in find_links:
         args += ["--find-links", str(link)]
     return args
+
+
+def stand_in_wheel(folder: Path, name: str, version: str) -> Path:
+    """An empty wheel of ``name`` ``version`` with no dependencies: what pip resolves in place of a package the
+    target never imports (``STAND_INS``). It is never part of a bundle."""
+    import zipfile
+
+    dist = f"{canonical(name).replace('-', '_')}-{version}"
+    path = folder / f"{dist}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{dist}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        zf.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: zoo\nRoot-Is-Purelib: true\n"
+                                               "Tag: py3-none-any\n")
+        zf.writestr(f"{dist}.dist-info/RECORD", "")
+    return path
 
 
 def build_sdist_wheels(packages: Dict[str, str], wheels_dir: Path, index: List[str]) -> List[Path]:
@@ -237,7 +261,8 @@ def build_bundle(out_dir: Path, recipes: Sequence[str] = (), python: str = "3.12
                  platform: str = "manylinux_2_28_x86_64", have: Optional[Dict[str, Optional[str]]] = None,
                  weights: bool = True, requirements: Optional[Sequence[str]] = None,
                  index_url: Optional[str] = None, find_links: Sequence[str] = (), no_index: bool = False,
-                 sdist_only: Optional[Dict[str, str]] = None) -> BundleManifest:
+                 sdist_only: Optional[Dict[str, str]] = None,
+                 stand_ins: Optional[Dict[str, Tuple[str, str]]] = None) -> BundleManifest:
     out_dir = Path(out_dir)
     wheels_dir, hub_dir = out_dir / "wheels", out_dir / "hub"
     wheels_dir.mkdir(parents=True, exist_ok=True)
@@ -247,9 +272,19 @@ def build_bundle(out_dir: Path, recipes: Sequence[str] = (), python: str = "3.12
 
     index = _index_args(index_url, find_links, no_index)
     build_sdist_wheels({n: v for n, v in sdist_only.items() if canonical(n) not in have}, wheels_dir, index)
-    resolved = resolve(requirements, python, platform, index + ["--find-links", str(wheels_dir)])
+    stand_ins = {canonical(n): (v, why) for n, (v, why) in (STAND_INS.get(platform, {}) if stand_ins is None
+                                                            else stand_ins).items() if canonical(n) not in have}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (version, _) in stand_ins.items():
+            stand_in_wheel(Path(tmp), name, version)
+        links = ["--find-links", tmp] if stand_ins else []
+        resolved = resolve(requirements, python, platform, index + ["--find-links", str(wheels_dir)] + links)
     roots = [_req_name(r) for r in requirements]
-    kept, left = leave_out(resolved, roots, have)
+    # A stood-in package is left out like one the target has: it and what only it needs stay behind.
+    kept, left = leave_out(resolved, roots, {**have, **{n: None for n in stand_ins}})
+    for name, (version, why) in stand_ins.items():
+        if name in left:
+            left[name] = f"not used on the target ({why}): resolved against an empty stand-in of {version}"
     # A wheel built here for a package the resolver did not need, or the target has, does not travel.
     for wheel in wheels_dir.glob("*.whl"):
         if canonical(wheel.name.split("-")[0]) not in {p.name for p in kept}:
