@@ -3,7 +3,7 @@
 the audit of each (kernel images and host read from the binary), and one table of every GPU in zoo's table:
 produced here, verified here (and how), or left to the target machine and why.
 
-    python scripts/gpu_targets_check.py --out OUT_DIR [--targets a100 ...] [--tests]
+    python tools/gpu_targets_check.py --out OUT_DIR [--targets a100 ...] [--tests]
 
 Steps: ``python -m zoo.export llama-rope-tiny`` into OUT_DIR/native (on a GPU machine it lowers, audits and
 verifies); the run copied to OUT_DIR/<target> and ``python -m zoo lower OUT_DIR/<target> --target <target>`` for

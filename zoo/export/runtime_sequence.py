@@ -1,5 +1,5 @@
 """Checks of an artifact across the two runtimes (torch's AOTI runner and ExecuTorch's C++ runtime), for
-``scripts/gpu_runtime_check.py`` and the GPU box.
+``benchmarks/gpu_runtime_check.py`` and the GPU box.
 
 - ``summary_rows``: a two-runtime verification (``zoo.export.verify`` rows, as report.json holds them) as one short
   table: per method, runtime, seed and size, the worst relative L2 and cosine over the outputs, and pass;

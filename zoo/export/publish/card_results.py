@@ -200,7 +200,7 @@ def chunk_latency_section(manifest: Mapping[str, Any]) -> List[str]:
     out = ["## Speed of a whole action chunk", ""]
     entry = measured_for(name)
     if not entry:
-        return out + [f"Not measured for the `{name}` recipe yet (`scripts/bench_chunk.py --record` on a GPU).", ""]
+        return out + [f"Not measured for the `{name}` recipe yet (`benchmarks/bench_chunk.py --record` on a GPU).", ""]
     ratios = entry.get("ratios") or {}
     out += [f"Measured for the `{name}` recipe on {entry.get('gpu')} ({entry.get('measured')}), {entry.get('dtype')}, "
             f"{entry.get('weights')}: the latency of a chunk depends on the architecture and sizes, not on the "
