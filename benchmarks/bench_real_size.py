@@ -3,20 +3,8 @@
 
     python benchmarks/bench_real_size.py --out OUT [--units llama:128,512,2048 lingbot_va fast_wam] [--runs N]
 
-Units: ``NAME[:ARG]`` with NAME llama, lingbot_va or fast_wam; ``zoo.bench.seeded`` says what each builds.
-
-Weights: llama's checkpoint is fabricated by its family (transformers' own save_pretrained, 135 M parameters,
-seconds). LingBot-VA and Fast-WAM are built by the family modules from the recipe's configuration exactly as
-for a pulled checkpoint, except that the parameters are built on meta and filled with seeded values in the
-unit's dtype (``zoo.policies.fast_init.seeded_weights``) instead of reading weights: writing and re-reading
-10-12 GB of random bf16 would cost minutes and tens of GB of disk for nothing. ``--tiny`` uses the tiny recipes
-instead (a CPU check of this script).
-
-Each unit gets OUT/<unit>/ (model.pte, aoti_cuda_blob.ptd, so/, report.json, io_spec.json; for units under
-1 GiB of weights also the exported/rewritten programs, so zoo's verification and ``python -m zoo bench`` can
-run on it later). OUT/bench.json and OUT/bench.md (the docs/benchmarks.md layout: GPU, versions, command,
-tables) are rewritten after every unit, so a run cut short by a time limit keeps what it measured.
-Without CUDA the GPU stages are recorded as skipped and only eager is timed (``--device cpu``).
+Units: ``NAME[:ARG]`` with NAME llama, lingbot_va or fast_wam (``zoo.bench.seeded`` says what each builds);
+the weights, OUT's layout and the tables: benchmarks/README.md, "bench_real_size.py".
 """
 
 from __future__ import annotations

@@ -1,42 +1,12 @@
 #!/usr/bin/env python3
 """Real size, end to end, with seeded weights and no network: one recipe's methods built, exported, rewritten,
-lowered side by side with one constant table, assembled, audited, verified by zoo's own verification, benched,
-and the artifact's sizes set against the parameter bytes the methods use.
+lowered side by side with one constant table, assembled, audited, verified, benched, and the artifact's sizes
+set against the parameter bytes the methods use.
 
-    python -m zoo.core.sampling_profiler --out OUT/profile.txt benchmarks/real_size.py --out OUT \\
-        --recipe lingbot-va --methods video_step,action_step
+    python benchmarks/real_size.py --out OUT [--recipe lingbot-va] [--methods video_step,action_step]
     python benchmarks/real_size.py --out OUT --dry-run [...]    # the same path on lingbot-va-tiny, on the CPU
 
-Stages, each the pipeline's own step (``zoo.export.pipeline`` / ``zoo.export.stages``), recorded in OUT/run/report.json:
-  build    the family's unit with parameters on meta, filled with seeded values in the unit's dtype
-           (``zoo.bench.seeded``'s builders: no LeRobot random init, no checkpoint read)
-  export   torch.export of each method (kept in memory: at real size a saved program is ~10 GB a method)
-  rewrite  the recipe's rewrites
-  lower    ``lowering.lower_to_pte``: the constant plan, one worker process per method (kernel preflight on
-           each worker's edge program), assembled into one model.pte + aoti_cuda_blob.ptd, so/ extracted
-  audit    which runtime releases load the .so files, and what each does with the weights
-  verify   ``verify.verify_artifact`` with the bf16 rule; its references are the unit's own modules on the GPU
-           and their float32 copy made there (``exporting.float32_copy``), not programs read from disk
-  bench    eager, torch.compile and the artifact (``zoo.bench``): latency, peak device memory, agreement
-  sizes    model.pte, the .ptd and the so/ files against the bytes of the constants the methods read
-Every stage appends "start"/"end" lines with a UTC time to OUT/progress.log (``tail`` it while it runs; the
-lowering workers' progress lines go there too). OUT/summary.json and OUT/summary.txt are rewritten after every
-stage, so a run cut short keeps what it measured. Each lowering worker writes a sampled profile of its own
-lowering to OUT/profiles/<method>.profile.txt (``ZOO_LOWERING_PROFILE_DIR``).
-
-OUT/run/ stays a usable run folder (model.pte, aoti_cuda_blob.ptd, so/, io_spec.json, report.json): the
-C++ runtime check and ``python -m zoo bench`` can be pointed at it afterwards.
-
-``--dry-run``: the tiny recipe (``<recipe>-tiny``) on the CPU through the same code. With the CUDA lowering it
-ends at the lower stage (no GPU); with a lowering that compiles for the CPU, the test suite's AOTI CPU probe,
-it goes on through assembly, the audit, verification (torch's AOTI CPU runner) and the sizes, and the bench
-times eager only (the probe's module is found on PYTHONPATH, by this process and by the lowering workers):
-
-    PYTHONPATH=$PWD/tests/fixtures python benchmarks/real_size.py --out /tmp/rs --dry-run --workers 2 \
-        --methods video_step,action_step --method-lowering aoti_cpu_probe:lower_probe \
-        --runner-factory aoti_cpu_probe:CpuRunner
-
-(the tiny recipe's VAE methods would load the real Wan2.2 VAE by Hub id: name the DiT steps on a machine without it)
+The stages, OUT's files and the dry run: benchmarks/README.md, "real_size.py".
 """
 
 from __future__ import annotations
