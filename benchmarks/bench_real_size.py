@@ -3,20 +3,8 @@
 
     python benchmarks/bench_real_size.py --out OUT [--units llama:128,512,2048 lingbot_va fast_wam] [--runs N]
 
-Units: ``NAME[:ARG]`` with NAME llama, lingbot_va or fast_wam; ``zoo.bench.seeded`` says what each builds.
-
-Weights: llama's checkpoint is fabricated by its family (transformers' own save_pretrained, 135 M parameters,
-seconds). LingBot-VA and Fast-WAM are built by the family modules from the recipe's configuration exactly as
-for a pulled checkpoint, except that the parameters are built on meta and filled with seeded values in the
-unit's dtype (``zoo.policies.fast_init.seeded_weights``) instead of reading weights: writing and re-reading
-10-12 GB of random bf16 would cost minutes and tens of GB of disk for nothing. ``--tiny`` uses the tiny recipes
-instead (a CPU check of this script).
-
-Each unit gets OUT/<unit>/ (model.pte, aoti_cuda_blob.ptd, so/, report.json, io_spec.json; for units under
-1 GiB of weights also the exported/rewritten programs, so zoo's verification and ``python -m zoo bench`` can
-run on it later). OUT/bench.json and OUT/bench.md (the docs/benchmarks.md layout: GPU, versions, command,
-tables) are rewritten after every unit, so a run cut short by a time limit keeps what it measured.
-Without CUDA the GPU stages are recorded as skipped and only eager is timed (``--device cpu``).
+Units: ``NAME[:ARG]`` with NAME llama, lingbot_va or fast_wam (``zoo.bench.seeded`` says what each builds);
+the weights, OUT's layout and the tables: benchmarks/README.md, "bench_real_size.py".
 """
 
 from __future__ import annotations
@@ -80,49 +68,9 @@ def run_unit(spec: UnitSpec, args, out_dir: Path, results: Dict[str, Any]) -> No
             [m.module for m in unit.methods.values()]).parameters())
         record["weights_gib"] = round(params / 2**30, 2)
         save = params <= SAVE_PROGRAMS_MAX_BYTES
-        verify = save and not args.no_verify  # verification compares with the saved programs
-        programs, _ = pipeline.export_step(unit, selected, run, report, save=save, reference=verify)
-        rewritten = pipeline.rewrite_step(programs, selected, report)
-        if save:
-            pipeline.save_step(rewritten, selected, run, report)
-        del programs
-        gc.collect()
-        if torch.device(args.device).type == "cuda":
-            # lower_step runs the kernel preflight on each method's own edge program: no second to_edge here.
-            gpu_steps.lower_step(rewritten, run, selected, report)
-            del rewritten
-            gc.collect()
-            if args.no_verify:
-                report.stage("verify", "skipped", None, "--no-verify")
-            elif not save:
-                report.stage("verify", "skipped", None, "programs not saved at this size; the bench table's "
-                                                        "artifact-vs-eager agreement on the timed inputs stands in")
-            else:
-                try:
-                    gpu_steps.verify_step(run, selected, report)
-                except Exception:  # recorded by the stage; the bench still runs and shows how far off it is
-                    pass
-        else:
-            for name in ("lower", "verify"):
-                report.stage(name, "skipped", None, "needs a CUDA GPU")
+        export_lower_verify(unit, selected, run, report, args, save)
         record["artifact_sizes"] = bench.artifact_sizes(run.path)
-        dynamic = True if recipe.dynamic else None  # the artifact covers the range with one compile; so does this
-        with timed_stage(report, "bench", f"{unit_name}: bench") as facts:
-            for m in methods:
-                cands = unit_candidates(unit, m, run.path, args.device, not args.no_compile, dynamic)
-                specs = unit.methods[m].inputs
-                timed = bench.bench_method(m, specs, cases, cands, args.warmup, args.runs, args.device,
-                                           args.input_sets, profile=args.profile)
-                for r in timed:
-                    r["unit"] = unit_name
-                    results["methods"].append(r)
-                    report.record("bench", [x for x in results["methods"] if x.get("unit") == unit_name])
-                # The io KV pool: what handing it back costs per call.
-                for r in bench.carried_state_cost(m, specs, unit.methods[m].output_names, timed, args.warmup,
-                                                  args.runs, args.device, args.input_sets):
-                    r["unit"] = unit_name
-                    results.setdefault("carried_state", []).append(r)
-            facts["detail"] = f"{len(cases)} size(s) x {len(methods)} method(s)"
+        time_unit(unit, unit_name, recipe, methods, cases, run, report, args, results)
         record["status"] = "done"
         if not save and not args.keep_artifacts:
             drop_large_weights(run, methods, record)
@@ -136,6 +84,59 @@ def run_unit(spec: UnitSpec, args, out_dir: Path, results: Dict[str, Any]) -> No
                             for s in report.stages}
         report.record("status", record.get("status", "failed"))
         run.write_report(report)
+
+
+def export_lower_verify(unit, selected, run: RunFolder, report: RunReport, args, save: bool) -> None:
+    """Export, rewrite (and save the programs where ``save``: they are what verification compares with), then
+    on a GPU lower and verify; each step a stage of ``report``."""
+    verify = save and not args.no_verify  # verification compares with the saved programs
+    programs, _ = pipeline.export_step(unit, selected, run, report, save=save, reference=verify)
+    rewritten = pipeline.rewrite_step(programs, selected, report)
+    if save:
+        pipeline.save_step(rewritten, selected, run, report)
+    del programs
+    gc.collect()
+    if torch.device(args.device).type != "cuda":
+        for name in ("lower", "verify"):
+            report.stage(name, "skipped", None, "needs a CUDA GPU")
+        return
+    # lower_step runs the kernel preflight on each method's own edge program: no second to_edge here.
+    gpu_steps.lower_step(rewritten, run, selected, report)
+    del rewritten
+    gc.collect()
+    if args.no_verify:
+        report.stage("verify", "skipped", None, "--no-verify")
+    elif not save:
+        report.stage("verify", "skipped", None, "programs not saved at this size; the bench table's "
+                                                "artifact-vs-eager agreement on the timed inputs stands in")
+    else:
+        try:
+            gpu_steps.verify_step(run, selected, report)
+        except Exception:  # recorded by the stage; the bench still runs and shows how far off it is
+            pass
+
+
+def time_unit(unit, unit_name: str, recipe, methods: List[str], cases, run: RunFolder, report: RunReport, args,
+              results: Dict[str, Any]) -> None:
+    """Each method timed at every size against its candidates, and the cost of the state it hands back, into
+    ``results`` (and the report's ``bench`` record), under the report's bench stage."""
+    dynamic = True if recipe.dynamic else None  # the artifact covers the range with one compile; so does this
+    with timed_stage(report, "bench", f"{unit_name}: bench") as facts:
+        for m in methods:
+            cands = unit_candidates(unit, m, run.path, args.device, not args.no_compile, dynamic)
+            specs = unit.methods[m].inputs
+            timed = bench.bench_method(m, specs, cases, cands, args.warmup, args.runs, args.device,
+                                       args.input_sets, profile=args.profile)
+            for r in timed:
+                r["unit"] = unit_name
+                results["methods"].append(r)
+                report.record("bench", [x for x in results["methods"] if x.get("unit") == unit_name])
+            # The io KV pool: what handing it back costs per call.
+            for r in bench.carried_state_cost(m, specs, unit.methods[m].output_names, timed, args.warmup,
+                                              args.runs, args.device, args.input_sets):
+                r["unit"] = unit_name
+                results.setdefault("carried_state", []).append(r)
+        facts["detail"] = f"{len(cases)} size(s) x {len(methods)} method(s)"
 
 
 def drop_large_weights(run: RunFolder, methods: List[str], record: Dict[str, Any]) -> None:

@@ -1,36 +1,9 @@
 """Lowered run folders through ExecuTorch's C++ runtime (zoo_runner) next to torch's AOTI runner, on a GPU.
 
-    python scripts/gpu_runtime_check.py RUN_DIR [RUN_DIR ...] --out OUT --runner PATH
+    python benchmarks/gpu_runtime_check.py RUN_DIR [RUN_DIR ...] --out OUT --runner PATH
         [--from-report | --no-verify] [--steps 3] [--latency METHOD ...] [--warmup 3] [--iters 20] [--memory]
 
-Per run folder:
-1. Verification on both runtimes (zoo.export.verify with ``runtimes=both``: the same inputs, seeds, sizes and
-   tolerances for each). ``--from-report`` reads instead what ``python -m zoo.export ... --runtime both`` already
-   recorded in the run's report.json (nothing is recomputed); ``--no-verify`` skips it (a real-size run folder
-   without its exported programs).
-2. A LingBot-VA run in the "io" KV-pool layout (with its exported programs): ``--steps`` calls alternating
-   video_step and action_step in ONE zoo_runner process (one loaded program), each call's pool outputs fed to the
-   next call inside the runner, against the exported programs run eagerly with the same feeding.
-3. ``--latency METHOD`` (or ``all``): that method at the first seed and size, warm-up then timed calls (median,
-   p90), and the GPU memory after loading it, on the C++ runner and on torch's AOTI runner, each in three ways:
-   ``device`` (every input already on the GPU, every output left there: the compiled code alone), ``state`` (the
-   state the family's host loop hands from call to call, its ``device_state``, on the GPU; the other inputs from
-   host memory and the other outputs back to it in every call: what a deployment pays) and ``host_io`` (every
-   input from host memory and every output back in every call). zoo_runner times its calls itself (steady clock,
-   a device synchronisation after each; its median includes its own copies back to the host). Needs only
-   model.pte, aoti_cuda_blob.ptd, io_spec.json, host_settings.json and so/<method>.io.json: a real-size run
-   folder lowered elsewhere will do.
-4. ``--policy-check``: zoo's policy check with the runner on ``backend="executorch"`` (zoo.runner's host loop
-   driving the artifact through zoo_runner, its state held on the GPU) against LeRobot's own policy on the GPU, the
-   recipe's observations, tolerances and bf16 rule (zoo.export.policy_check.check_run); for runs with their recipe and
-   programs, where LeRobot is installed, and not where verification recorded the ExecuTorch runtime as expected
-   not to load the artifact.
-5. ``--memory``: every method loaded in one zoo_runner, the GPU memory it took with the weights shared across
-   methods and with each method's own copy (``--no-weight-sharing``), against the .ptd and the methods' blobs.
-One short table on stdout; everything in OUT/runtime_check.json and OUT/runtime_check.txt (nothing large: the
-tensor files and extracted weights go to a temporary folder, removed at the end). Exit 0 when every check passed
-(a failure of the C++ runtime that the audit predicted counts as passed, and says so), 1 when one failed, 2 for
-bad arguments or no GPU.
+What each check does, the files it writes and its exit status: benchmarks/README.md, "gpu_runtime_check.py".
 """
 
 from __future__ import annotations

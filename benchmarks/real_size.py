@@ -1,42 +1,12 @@
 #!/usr/bin/env python3
 """Real size, end to end, with seeded weights and no network: one recipe's methods built, exported, rewritten,
-lowered side by side with one constant table, assembled, audited, verified by zoo's own verification, benched,
-and the artifact's sizes set against the parameter bytes the methods use.
+lowered side by side with one constant table, assembled, audited, verified, benched, and the artifact's sizes
+set against the parameter bytes the methods use.
 
-    python -m zoo.core.sampling_profiler --out OUT/profile.txt benchmarks/real_size.py --out OUT \\
-        --recipe lingbot-va --methods video_step,action_step
+    python benchmarks/real_size.py --out OUT [--recipe lingbot-va] [--methods video_step,action_step]
     python benchmarks/real_size.py --out OUT --dry-run [...]    # the same path on lingbot-va-tiny, on the CPU
 
-Stages, each the pipeline's own step (``zoo.export.pipeline`` / ``zoo.export.stages``), recorded in OUT/run/report.json:
-  build    the family's unit with parameters on meta, filled with seeded values in the unit's dtype
-           (``zoo.bench.seeded``'s builders: no LeRobot random init, no checkpoint read)
-  export   torch.export of each method (kept in memory: at real size a saved program is ~10 GB a method)
-  rewrite  the recipe's rewrites
-  lower    ``lowering.lower_to_pte``: the constant plan, one worker process per method (kernel preflight on
-           each worker's edge program), assembled into one model.pte + aoti_cuda_blob.ptd, so/ extracted
-  audit    which runtime releases load the .so files, and what each does with the weights
-  verify   ``verify.verify_artifact`` with the bf16 rule; its references are the unit's own modules on the GPU
-           and their float32 copy made there (``exporting.float32_copy``), not programs read from disk
-  bench    eager, torch.compile and the artifact (``zoo.bench``): latency, peak device memory, agreement
-  sizes    model.pte, the .ptd and the so/ files against the bytes of the constants the methods read
-Every stage appends "start"/"end" lines with a UTC time to OUT/progress.log (``tail`` it while it runs; the
-lowering workers' progress lines go there too). OUT/summary.json and OUT/summary.txt are rewritten after every
-stage, so a run cut short keeps what it measured. Each lowering worker writes a sampled profile of its own
-lowering to OUT/profiles/<method>.profile.txt (``ZOO_LOWERING_PROFILE_DIR``).
-
-OUT/run/ stays a usable run folder (model.pte, aoti_cuda_blob.ptd, so/, io_spec.json, report.json): the
-C++ runtime check and ``python -m zoo bench`` can be pointed at it afterwards.
-
-``--dry-run``: the tiny recipe (``<recipe>-tiny``) on the CPU through the same code. With the CUDA lowering it
-ends at the lower stage (no GPU); with a lowering that compiles for the CPU, the test suite's AOTI CPU probe,
-it goes on through assembly, the audit, verification (torch's AOTI CPU runner) and the sizes, and the bench
-times eager only (the probe's module is found on PYTHONPATH, by this process and by the lowering workers):
-
-    PYTHONPATH=$PWD/tests/fixtures python benchmarks/real_size.py --out /tmp/rs --dry-run --workers 2 \
-        --methods video_step,action_step --method-lowering aoti_cpu_probe:lower_probe \
-        --runner-factory aoti_cpu_probe:CpuRunner
-
-(the tiny recipe's VAE methods would load the real Wan2.2 VAE by Hub id: name the DiT steps on a machine without it)
+The stages, OUT's files and the dry run: benchmarks/README.md, "real_size.py".
 """
 
 from __future__ import annotations
@@ -119,14 +89,12 @@ def cpu_runner_factory(spec: Optional[str]):
 
 
 def run(args) -> int:
+    """Every stage of one recipe at real size (or, with ``--dry-run``, its tiny recipe on the CPU) into OUT;
+    OUT/summary.* after every stage. 0 when every stage passed, 1 when verification failed."""
     out = args.out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     progress = Progress(out / "progress.log")
-    recipe_name = f"{args.recipe}-tiny" if args.dry_run else args.recipe
-    recipe = load_recipe(recipe_name)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else list(recipe.unit.methods)
-    recipe.unit.methods = methods
-    recipe.validate()
+    recipe_name, recipe, methods = selected_recipe(args)
     device = "cpu" if args.dry_run else bench.resolve_device(args.device)
     method_lowering = (MethodLowering(function=args.method_lowering, needs_gpu=False)
                        if args.method_lowering else CUDA_LOWERING)
@@ -136,11 +104,7 @@ def run(args) -> int:
     report = RunReport(run_folder.path, recipe.to_dict())
     run_folder.write_recipe(recipe)
     seconds: Dict[str, float] = {}
-    summary: Dict[str, Any] = {
-        "recipe": recipe_name, "methods": methods, "device": device, "dry_run": args.dry_run,
-        "command": "python benchmarks/real_size.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
-        "environment": bench.environment(device), "run_folder": str(run_folder.path), "stage_seconds": seconds,
-        "per_method": {m: {} for m in methods}, "status": "running"}
+    summary = new_summary(args, recipe_name, methods, device, run_folder, seconds)
 
     def flush() -> None:
         run_folder.write_report(report)
@@ -149,41 +113,8 @@ def run(args) -> int:
 
     progress.say(f"real size: {recipe_name} {','.join(methods)} on {device} -> {out}")
     try:
-        with progress.stage("build", seconds):
-            spec = seeded.spec_for_recipe(recipe)
-            # The family builds the methods the recipe names: only the selected ones (no real-size VAE when
-            # only the DiT steps are asked for).
-            with tempfile.TemporaryDirectory(prefix="zoo-real-size-build-") as work:
-                unit = pipeline.build_step(None, recipe, run_folder, report, build=lambda: seeded.selected_methods(
-                    seeded.build_unit(spec, recipe, Path(work)), methods))
-            summary["parameter_bytes"] = parameter_bytes(unit)
-        flush()
-        with progress.stage("export", seconds):
-            programs, _ = pipeline.export_step(unit, recipe, run_folder, report, save=False, reference=False)
-        flush()
-        with progress.stage("rewrite", seconds):
-            rewritten = pipeline.rewrite_step(programs, recipe, report)
-            del programs
-            gc.collect()
-        flush()
-        with progress.stage("lower", seconds):
-            lowered = gpu_steps.lower_step(rewritten, run_folder, recipe, report, method_lowering=method_lowering,
-                                           consume=True, say=progress.say, workers=args.workers)
-            del rewritten
-            gc.collect()
-        summary["lowering"] = {"seconds": lowered.seconds, "methods_wall_seconds": lowered.compile_seconds,
-                               "stage_seconds": lowered.stage_seconds, "workers": lowered.workers,
-                               "weights": lowered.weights}
-        for m, art in lowered.methods.items():
-            summary["per_method"][m].update(lower_seconds=art.seconds, lower_stages=art.stage_seconds,
-                                            so_bytes=art.so_bytes, weights_bytes=art.weights_bytes,
-                                            shares_weights_with=art.shares_weights_with)
-        flush()
-        with progress.stage("audit", seconds):
-            audited = gpu_steps.audit_step(run_folder, recipe, report)
-            summary["audit"] = {"loadable": audited.loadable_releases(), "caveats": audited.caveats,
-                                "weights": audited.weights}
-        flush()
+        unit, lowered = export_and_lower(args, recipe, methods, method_lowering, run_folder, report, progress,
+                                         seconds, summary, flush)
         verify_stage(args, unit, recipe, run_folder, report, device, progress, seconds, summary)
         flush()
         if not args.no_bench:
@@ -205,6 +136,73 @@ def run(args) -> int:
         flush()
     print(summary_text(summary))
     return 0 if summary["status"] == "done" else 1
+
+
+def selected_recipe(args):
+    """(recipe name, recipe, methods): the recipe (its tiny one for ``--dry-run``) cut to ``--methods``."""
+    recipe_name = f"{args.recipe}-tiny" if args.dry_run else args.recipe
+    recipe = load_recipe(recipe_name)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()] if args.methods else list(recipe.unit.methods)
+    recipe.unit.methods = methods
+    recipe.validate()
+    return recipe_name, recipe, methods
+
+
+def new_summary(args, recipe_name: str, methods: List[str], device: str, run_folder: RunFolder,
+                seconds: Dict[str, float]) -> Dict[str, Any]:
+    """OUT/summary.json before the first stage; ``seconds`` fills in as the stages end."""
+    return {
+        "recipe": recipe_name, "methods": methods, "device": device, "dry_run": args.dry_run,
+        "command": "python benchmarks/real_size.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "environment": bench.environment(device), "run_folder": str(run_folder.path), "stage_seconds": seconds,
+        "per_method": {m: {} for m in methods}, "status": "running"}
+
+
+def export_and_lower(args, recipe, methods: List[str], method_lowering: MethodLowering, run_folder: RunFolder,
+                     report: RunReport, progress: Progress, seconds: Dict[str, float], summary: Dict[str, Any],
+                     flush: Callable[[], None]):
+    """The build, export, rewrite, lower and audit stages; returns (the unit, the lowering's result)."""
+    with progress.stage("build", seconds):
+        spec = seeded.spec_for_recipe(recipe)
+        # The family builds the methods the recipe names: only the selected ones (no real-size VAE when
+        # only the DiT steps are asked for).
+        with tempfile.TemporaryDirectory(prefix="zoo-real-size-build-") as work:
+            unit = pipeline.build_step(None, recipe, run_folder, report, build=lambda: seeded.selected_methods(
+                seeded.build_unit(spec, recipe, Path(work)), methods))
+        summary["parameter_bytes"] = parameter_bytes(unit)
+    flush()
+    with progress.stage("export", seconds):
+        programs, _ = pipeline.export_step(unit, recipe, run_folder, report, save=False, reference=False)
+    flush()
+    with progress.stage("rewrite", seconds):
+        rewritten = pipeline.rewrite_step(programs, recipe, report)
+        del programs
+        gc.collect()
+    flush()
+    with progress.stage("lower", seconds):
+        lowered = gpu_steps.lower_step(rewritten, run_folder, recipe, report, method_lowering=method_lowering,
+                                       consume=True, say=progress.say, workers=args.workers)
+        del rewritten
+        gc.collect()
+    record_lowering(summary, lowered)
+    flush()
+    with progress.stage("audit", seconds):
+        audited = gpu_steps.audit_step(run_folder, recipe, report)
+        summary["audit"] = {"loadable": audited.loadable_releases(), "caveats": audited.caveats,
+                            "weights": audited.weights}
+    flush()
+    return unit, lowered
+
+
+def record_lowering(summary: Dict[str, Any], lowered) -> None:
+    """The lowering's wall time, workers and weights, and each method's compile, into the summary."""
+    summary["lowering"] = {"seconds": lowered.seconds, "methods_wall_seconds": lowered.compile_seconds,
+                           "stage_seconds": lowered.stage_seconds, "workers": lowered.workers,
+                           "weights": lowered.weights}
+    for m, art in lowered.methods.items():
+        summary["per_method"][m].update(lower_seconds=art.seconds, lower_stages=art.stage_seconds,
+                                        so_bytes=art.so_bytes, weights_bytes=art.weights_bytes,
+                                        shares_weights_with=art.shares_weights_with)
 
 
 def verify_stage(args, unit, recipe, run_folder: RunFolder, report: RunReport, device: str, progress: Progress,

@@ -1,17 +1,8 @@
 """``python -m zoo bench RUN_DIR``: how fast the artifact runs, against eager PyTorch and torch.compile.
 
-The package's modules, each importing only those listed before it:
-
-  measuring   timers, order statistics, ``measure``, device time by CUDA graph replay, peak device memory,
-              the environment a measurement was taken in
-  rendering   the project's targets and the judgements against them; tables, Markdown, the JSON/Markdown files
-  candidates  what is timed (the artifact, eager, torch.compile) on which input sets; agreement with eager,
-              the cost of carried state, top kernels
-  rotary      the rotary-embedding microbenchmark against device copy bandwidth
-  cli         the command line: reads the run folder and puts the others together
-
-The statistics, the timers and the rendering are plain Python and are tested on the CPU; only the candidates
-need a GPU. The names below are the package's interface (``from zoo import bench; bench.render(...)``).
+The package's modules (measuring, rendering, candidates, rotary, cli; seeded and chunk for benchmarks/) are
+listed in docs/ARCHITECTURE.md; the names below are the package's interface
+(``from zoo import bench; bench.render(...)``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """``python -m zoo bench RUN_DIR``: how fast the artifact runs, against eager PyTorch and torch.compile.
 
-For each method of a run folder (and each size of its dynamic dims asked for), three candidates run on the
-same pre-drawn inputs in the unit's dtype:
-
-  artifact  the method's .so + weights taken out of the shipped model.pte / aoti_cuda_blob.ptd, through torch's
-            AOTI runner, fed in the delegate's own input order (exactly as verification runs them)
-  eager     the original exported program (``exported.<method>.pt2``, complex rotary math and all), op by op
-  compile   ``torch.compile`` (default mode) of that same module
-
-Each candidate is measured in isolation: built, warmed up, its peak memory counter reset, then timed over
-``runs`` calls that rotate through several distinct input sets (together larger than the GPU's L2 cache, so
-no call finds its inputs already cached). On a GPU every call starts from an idle device and is timed with
-CUDA events: the number is a call's latency as a caller sees it, launch overhead included. The ratios
-artifact/eager and artifact/compile come from medians of the same invocation, and are judged against the
-project's targets; a missed target says by how much.
-
-The modules of ``zoo.bench``: ``measuring`` (timers, statistics, device time, peak memory), ``candidates``
-(what is timed, on which inputs), ``rotary`` (the rotary microbenchmark), ``rendering`` (targets, judgements,
-tables, files) and this command line, which reads the run folder and puts them together.
+Reads the run folder and puts ``zoo.bench``'s modules together: for each method (and each size of its dynamic
+dims asked for), the artifact, eager and torch.compile on the same pre-drawn inputs. What is measured and how:
+docs/benchmarks.md, "What is measured".
 """
 
 from __future__ import annotations

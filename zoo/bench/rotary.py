@@ -1,17 +1,6 @@
 """The rotary embedding alone: the real-pair computation zoo's rewrite produces, compiled by Inductor as the
 artifact's kernels are, against eager complex math, and its achieved memory bandwidth as a fraction of what
-the device reaches copying memory.
-
-The rotation is Meta's formulation (``view_as_complex(x) * freqs_cis``, complex64 table, computed in float32
-and cast back to x's dtype), exported and rewritten by ``replace_complex_with_real``: interleaved pairs
-``(x[2j], x[2j+1])`` become ``(x_r*c - x_i*s, x_r*s + x_i*c)`` with ``c, s`` from a float32 pair table. Rotary is
-a pure streaming operation, so bandwidth is its measure: bytes moved = x read + the table rows read + the
-result written, over the median call time. The reference bandwidth is a large device-to-device ``copy_``
-(bytes read + written over its median time), the most a memory-bound kernel can expect. Both are device
-times: the copy queued back to back, the rotary calls replayed from a CUDA graph (``measure_device_time``),
-because calls queued from Python time the host's launch path, not the kernel, once a kernel is shorter than
-it (first measured that way on an H200: 0.126 ms for a 2.4 MB rotation). The inputs rotate through distinct
-tensors larger than the L2 cache together, so no call reads cached data.
+the device reaches copying memory. How it is measured: docs/benchmarks.md, "What is measured" (Rotary alone).
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Export units at the recipes' real size with seeded random weights, built offline (no checkpoint download).
 
-The benchmarks at real size (``benchmarks/bench_real_size.py``, ``benchmarks/real_size.py``,
-``benchmarks/bench_chunk.py``) measure speed and the lowering's cost, which do not depend on the weights' values:
-writing and re-reading 10-12 GB of random bf16 would cost minutes and tens of GB of disk for nothing. So the
-families' units are built from the recipe's configuration exactly as for a pulled checkpoint, except that the
-parameters are built on meta and filled with seeded values in the unit's dtype
-(``zoo.policies.fast_init.seeded_weights``). Llama's checkpoint is small enough to fabricate whole
-(transformers' own ``save_pretrained``, 135 M parameters, seconds).
-
-Units (``NAME[:ARG]``, ``parse_unit``):
-  llama[:SEQ,...]          SmolLM2-135M geometry (recipe llama-rope, bf16, dynamic seq 2..2048), benched at
-                           each SEQ (default 128,512,2048)
-  lingbot_va[:METHOD,...]  LingBot-VA at the recipe's default configuration (5.09 B parameters, bf16, KV pool
-                           as I/O): video_step and action_step (default both)
-  fast_wam[:METHOD,...]    Fast-WAM in its split layout (5 B video + 1 B action expert, bf16): the action unit
-                           action_step (default), or prefill,action_step
-
-The families' modules need lerobot (the policies extra); they are loaded by ``zoo.policies.load_family`` when a
-unit is built, so parsing units needs nothing of it.
+Speed and the lowering's cost do not depend on the weights' values, so the benchmarks build the families' units
+with parameters on meta, filled with seeded values in the unit's dtype (``fast_init.seeded_weights``). The units
+``parse_unit`` takes (``NAME[:ARG]``): benchmarks/README.md, "bench_real_size.py".
 """
 
 from __future__ import annotations

@@ -1,34 +1,7 @@
 """Which GPUs and hosts can run a compiled method, read from its ``.so``: the host machine from the ELF header, the
 GPU code from every NVIDIA fatbin embedded in it.
 
-AOTInductor (``aot_inductor.emit_multi_arch_kernel``, which ExecuTorch's CUDA backend sets) turns each Triton
-kernel into a fatbin with ``nvcc -fatbin -gencode arch=compute_A,code=compute_A -gencode arch=compute_A,code=sm_A``,
-A being the lowering GPU's architecture as nvcc spells it ("90a" on an H100/H200, "80" on an A100), and embeds it
-raw in ``.rodata`` (``ld -r -b binary``; torch 2.11 ``codecache.py`` and ``cpp_builder.convert_cubin_to_obj``).
-So a method's ``.so`` holds one fatbin per kernel; nvcc-built code keeps them in ``.nv_fatbin``. Both are found by
-scanning the library's bytes for the fatbin container (magic 0xBA55ED50) and checking each candidate's header
-chain, so no symbol table is needed (the libraries may be stripped).
-
-The container: a 16-byte header (u32 magic, u16 version 1, u16 header size 16, u64 size of the entries), then
-entries, each an entry header and its payload: u16 kind (1 PTX, 2 ELF = SASS), u16 version, u32 header size,
-u64 payload size, ..., u16 code version minor and major at 24 (PTX: the PTX ISA version), u32 architecture at 28
-(90 for sm_90), u64 flags at 40 (0x2000 LZ4- and 0x8000 zstd-compressed payload, 0x100000 arch-specific "a",
-0x200000 family-specific "f"). Read off fatbins nvcc 13.0 wrote and cuobjdump described (the tests check this
-against both); public descriptions of the layout (cuda-fatbin-decompression, ZLUDA) agree on the fields read here.
-
-What runs where (NVIDIA's CUDA compatibility rules, "a" and "f" targets from CUDA 12.0 / 12.9):
-- SASS sm_XY runs on GPUs of compute capability X.Z with Z >= Y; none across major versions; and none between
-  Tegra (Jetson) and desktop GPUs, either way.
-- sm_XYa SASS and compute_XYa PTX run on X.Y only; sm_XYf / compute_XYf on X.Z with Z >= Y.
-- PTX compute_XY is compiled by the driver (JIT) on any GPU of X.Y or newer, Tegra included, when the driver
-  knows the PTX ISA version it was written in.
-A method runs on a GPU when every fatbin in its ``.so`` has an image that GPU runs: right for AOTInductor, whose
-fatbins are one per kernel; strict for nvcc-built libraries, whose device-link container may hold no kernel.
-Triton writes sm_90a code for every GPU of 9.0 and newer (``sm_arch_from_capability``), so an artifact lowered on
-an H200 holds sm_90a + compute_90a: it runs on H100/H200/GH200 (with an x86-64 host: GH200 is aarch64) and on
-nothing newer, not even through its PTX.
-
-Standard library and pyelftools only: the deploy side imports this without the exporter.
+Why and how: docs/ARCHITECTURE.md, "Which GPUs and hosts run a `.so`".
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
 """A wall-clock stack sampler for long CPU-side jobs (export, lowering), safe to be killed at any moment.
 
-A daemon thread wakes every ``interval`` seconds, reads the watched thread's current stack with
-``sys._current_frames()``, and counts each frame's ``file:function``: *self* for the innermost frame,
-*cumulative* once per sample for every distinct function on the stack (so recursion does not count twice).
-Every ``flush_every`` seconds, and on exit, it rewrites ``out`` (atomically) with the tables: a job killed by
-its time limit still leaves the profile up to the last flush. The report also samples the process's CPU
-time (its own and its finished children's) and the load average, which say whether the job used more
-than one core: compile workers are other processes, which this sampler does not see. Where the job has
-imported torch, the report ends with Inductor's own phase timers (``torch._dynamo.utils
-.compilation_time_metrics``: Scheduler.__init__, CppWrapperGpu.generate, AotCodeCompiler.compile,
-<name>_template_autotuning, ...), exact where the sampler is statistical; this module never imports torch.
-
-    with SamplingProfiler("profile.txt"):
-        lower(...)
-
-    with SamplingProfiler("profile.txt") as prof:
-        with prof.section("lower"):
-            ...
-
-    python -m zoo.core.sampling_profiler --out profile.txt benchmarks/bench_real_size.py --out OUT ...   # any script
-
-Sampling is statistical: a function's share is (samples in which it was on the stack) / (samples), and its
-"~seconds" that share of the wall time sampled. At 0.5 s intervals a 6-minute job gives ~720 samples, enough
-for the parts above ~1%.
+Why and how: docs/benchmarks.md, "The sampling profiler".
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
 """Build a policy's large modules without random initialisation, then give them their weights.
 
-LeRobot's ``from_pretrained`` builds the policy from its config first, with torch's default initialisation
-(``kaiming_uniform_``/``xavier_uniform_`` draws, in float32, on one CPU thread), and then reads
-``model.safetensors``, which overwrites every one of those values. At real size that is most of the build:
-~27 s of LingBot-VA's 43 s and ~120 s of Fast-WAM's 145 s on the H200's host (Fast-WAM's Wan backbone builds
-and initialises its 30 blocks twice), and the float32 draft holds 2x the bf16 weights' memory.
-
-``built_on_meta(policy_cls, module_classes)`` removes both, keeping LeRobot's own ``from_pretrained``:
-
-* every parameter registered while an instance of one of ``module_classes`` is being constructed is made on
-  the meta device: shape, dtype and ``requires_grad`` as built, no storage, so the init calls on it do
-  nothing, and the moves and casts the constructors make (``.to(device=cpu, dtype=bfloat16)``) only change
-  its dtype. Buffers and plain tensor attributes (rope frequency tables, scheduler tables) are computed
-  exactly as before: no checkpoint stores them. Modules outside those classes (the frozen VAE that Fast-WAM's constructor loads with
-  diffusers' own loader) are built exactly as before;
-* ``policy_cls._load_as_safetensor``, the classmethod through which ``from_pretrained`` reads the file, is
-  ``load_weights``: each tensor of the file cast to the dtype its parameter was built in and put in its
-  place by assignment (no second copy); missing, unexpected or mis-shaped tensors raise as ``strict=True``
-  does, and a meta tensor left anywhere raises.
-
-Inside ``seeded_weights(seed)`` the loader instead fills every meta tensor with seeded values (the real-size
-benchmark's random weights, no file read): ``fill_seeded``. ``seeded_weights(seed, draw_dtype=torch.bfloat16)``
-draws every value in bf16 and casts it to the tensor's dtype, so a float32 build of the policy holds exactly
-the bf16 build's values (the float32 reference of zoo's bf16 rule is then the same model, unrounded).
+Why and how: docs/ARCHITECTURE.md, "Building large policies fast".
 """
 
 from __future__ import annotations

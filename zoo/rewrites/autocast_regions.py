@@ -3,38 +3,8 @@
     getitem(wrap_with_autocast(dev, dtype, enabled, cache, body, *xs), i)  ->  body(*xs)[i]
     getitem(wrap_with_set_grad_enabled(mode, body, *xs), i)                ->  body(*xs)[i]
 
-with every cast autocast performs inside ``body`` written out as an explicit ``_to_copy``:
-
-    op(a, b, ...)   ->  op(_to_copy(a, dtype=D), _to_copy(b, dtype=D), ...)   where autocast casts a, b to D
-
-Why: ``torch.export`` records ``with torch.autocast(...)``, autocast-decorated functions (Fast-WAM's rope,
-``@torch.amp.autocast("cuda", enabled=False)``) and ``torch.no_grad()``/``enable_grad()`` blocks inside the
-traced code as higher-order ops over a sub-module. Their ops are invisible to a rewrite that scans the
-program's graph (the complex-to-real rewrite would miss the rope), so they are inlined first.
-
-How the body is mapped: the body's placeholders are bound to the call's operands by position; their names
-are the body's own (``arg2_1`` in the body may be ``p_linear_weight`` outside), so mapping by name fails.
-Nested regions are inlined before their parent, inside the parent's body: a nested call's ``get_attr``
-names a sub-module of the parent body and means nothing in the outer graph.
-
-Why it is exact. Grad mode changes whether autograd records ops, never the values they compute; a program
-with no loss or gradient outputs is an inference program (ExecuTorch's CUDA backend runs forward only), so
-its grad-mode regions are inlined. A joint forward-backward program keeps them, with a note.
-
-Autocast is different: ``torch.export`` (torch 2.11) records a body *before* autocast applies, so its ops
-are the ops as written (``linear`` on float32 inputs) while their recorded values carry autocast's dtypes
-(bfloat16). Inlined as it is, the body would compute in float32 (and trip its own
-``_assert_tensor_metadata`` checks). So each op of a body is run once on its recorded fake values under the
-region's autocast state (all enclosing regions, per device type), and the ``_to_copy`` casts autocast makes
-of its inputs are recorded; the casts the op makes without autocast (``to`` casts by itself) are not
-autocast's and are left out. Those casts are written into the graph before the op, which is exactly what
-autocast computes (it casts, then calls the op). After that the op, evaluated without autocast, must
-reproduce the dtypes export recorded, or the program is declined, naming the op; a body whose autocast is
-off must match as it stands. A body's own ops are handled before its nested regions are inlined into it,
-each nested region under its own state: an ``autocast(enabled=False)`` region inside a bfloat16 one keeps
-its float32 ops. A region whose device type is not that of its tensors (``autocast("cuda")`` in a program
-traced on CPU) casts nothing, which is also what the program computes when run as exported; a note says so,
-since eager autocast on the GPU would have cast.
+with every cast autocast makes inside ``body`` written out as an explicit ``_to_copy``. Why, how a body is
+mapped, and why it is exact: docs/ARCHITECTURE.md, "Rewrites".
 """
 
 from __future__ import annotations

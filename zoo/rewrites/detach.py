@@ -3,18 +3,7 @@
     detach(x)       ->  alias(x)
     detach_copy(x)  ->  alias_copy(x)
 
-Both sides return x's values; they differ only in whether autograd tracks the result. ExecuTorch's CUDA
-backend runs the forward pass only, so in an inference program the two are the same computation.
-
-Why: ``to_edge`` functionalises ``detach`` into ``detach_copy``, for which Inductor (torch 2.11) has neither a
-lowering nor a decomposition; AOTInductor then emits an ATen fallback that executorch 1.2.0's CUDA backend
-refuses after the whole compile ("missing fallback kernels: aten::detach_copy", seen on an H200 for
-``(x * 2).detach() + 1``). ``alias`` becomes ``alias_copy``, which Inductor decomposes. The node is kept
-(rather than dropped) so that an output stays a node of its own: ``x`` and ``x.detach()`` both returned
-remain two outputs, which ``make_outputs_safe`` then makes distinct.
-
-A joint forward-backward program (one with a loss or gradient outputs) is declined: there detach decides
-which gradients flow, and an alias would change them.
+The same values in an inference program; why, and what declines: docs/ARCHITECTURE.md, "Rewrites".
 """
 
 from __future__ import annotations

@@ -3,16 +3,7 @@
     stored   s = stack(hi, lo)           hi = float32(c),  lo = float32(c - float64(hi))      (float32 [2, ...])
     graph    c' = float64(s[0]) + float64(s[1])                   |c' - c| <= 2^-48 |c|  (about 3.6e-15 |c|)
 
-Why: ExecuTorch CUDA runtimes up to 1.5 have no float64 dtype, so an artifact that *stores* a float64 tensor
-fails at load time, while float64 arithmetic inside a fused kernel is fine. LingBot-VA's rope keeps its base
-frequencies as float64 attributes, and complex128 rope tables become float64 pairs: after the complex
-rewrite these constants are what stops the artifact loading. The rebuild is pointwise on constants, so
-Inductor fuses it into the kernels that read them and no float64 buffer is stored (the runtime audit checks
-what the compiled .so really needs).
-
-Applies to parameters, buffers and lifted constants of dtype float64 that the program does not mutate and
-that are not program outputs. A float64 buffer the program mutates declines the whole program (its stored
-state would have to stay float64); the program is then returned exactly as it was.
+Why, and what declines: docs/ARCHITECTURE.md, "Rewrites".
 """
 
 from __future__ import annotations

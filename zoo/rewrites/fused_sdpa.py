@@ -1,31 +1,9 @@
 """Fused attention kernels -> ``scaled_dot_product_attention``, where that computes the same result.
 
-    getitem(_scaled_dot_product_flash_attention(q, k, v, p, causal, debug, scale=s), 0)
-    getitem(_scaled_dot_product_efficient_attention(q, k, v, bias, lse, p, causal, scale=s), 0)
-    getitem(_scaled_dot_product_cudnn_attention(q, k, v, bias, lse, p, causal, debug, scale=s), 0)
-    getitem(_scaled_dot_product_flash_attention_for_cpu(q, k, v, p, causal, attn_mask=bias, scale=s), 0)
+    getitem(_scaled_dot_product_{flash,efficient,cudnn,flash_for_cpu}_attention(q, k, v, ...), 0)
         ->  scaled_dot_product_attention(q, k, v, bias, p, causal, scale=s, enable_gqa=(heads(k) < heads(q)))
 
-    softmax(q k^T * s + bias) v, with k and v repeated per query-head group when they have fewer heads.
-
-Why: these ops name one CUDA kernel each, which AOTInductor can only call as an ATen fallback, and
-executorch 1.2.0's CUDA backend refuses every fallback but one. ``scaled_dot_product_attention`` is what the
-backend knows how to lower (to its Triton SDPA, or decomposed to math with ``triton_kernel_mode=OFF``). They
-appear when a program was decomposed for CUDA (``run_decompositions`` on a CUDA-traced program) or written
-against the kernels directly.
-
-A node is kept, as it is, and the reason logged at warning level and recorded in the result's notes, when
-the replacement would not compute the same thing:
-
-* an output other than the attention output is used (log-sum-exp, debug mask, dropout seed/offset,
-  sequence bookkeeping): ``scaled_dot_product_attention`` returns only the attention output;
-* the call is causal with a bias: ``scaled_dot_product_attention`` accepts a mask or ``is_causal``, not both;
-* the call is causal and ``L_q == L_kv`` is not statically known: these kernels align the causal mask to the
-  top left, while a lowered causal SDPA at decode shapes (``L_q < L_kv``) may align it to the bottom right.
-  With equal lengths the two alignments are the same mask.
-
-A node the rewrite cannot express at all (key heads that do not divide the query heads, key and value head
-counts that differ, a non-floating bias, a use of the whole result tuple) declines the program.
+Why, which nodes are kept and which decline: docs/ARCHITECTURE.md, "Rewrites".
 """
 
 from __future__ import annotations

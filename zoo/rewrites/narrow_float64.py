@@ -2,18 +2,8 @@
 
     float64 state c          ->  stored as float32(c)
     op(..., dtype=float64)   ->  op(..., dtype=float32)         (casts, factories, metadata asserts)
-    any other op             ->  the same op, its values recomputed from the narrowed inputs
 
-The opt-in companion of ``rotary_pairs: float32``. ExecuTorch CUDA runtimes up to 1.5 have no float64 dtype;
-complex128 rope made into float32 pairs still leaves the real float64 math around it (LingBot-VA casts q and k
-to float64 before its complex128 rotation, and builds its rope angles from float64 base frequencies), and
-Inductor may store any of those values as a float64 buffer, which the runtime cannot load. After this rewrite
-no node, constant or buffer holds a float64 value, so the compiled program cannot need one. It changes results
-by float32 rounding (about 1e-7 relative); verification measures that against the float64 source.
-
-Declines, leaving the program exactly as given: a float64 program input or output the user sees (narrowing
-would change the method's signature), a float64 buffer the program mutates, float64 values inside a
-higher-order op's sub-graph.
+The opt-in companion of ``rotary_pairs: float32``; why, and what declines: docs/ARCHITECTURE.md, "Rewrites".
 """
 
 from __future__ import annotations

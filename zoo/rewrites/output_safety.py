@@ -1,24 +1,9 @@
 """Method outputs -> contiguous tensors that own their memory, one per output.
 
-    out_i  ->  clone(out_i, memory_format=contiguous_format)    for every user output out_i that
-        (a) is not contiguous (a strided view such as y[:, :, :14], a transpose), or
-        (b) shares memory with a program input, parameter, buffer or constant (an input returned as is,
-            a view of a weight), or
-        (c) shares memory with an earlier output (the same tensor returned twice, two views of one tensor).
+    out_i  ->  clone(out_i, memory_format=contiguous_format)    for every user output out_i that is not
+        contiguous, or shares memory with a program input, weight or constant, or with an earlier output.
 
-Every other output, and every buffer-mutation output, is left exactly as it is. A user output with no recorded
-value (a program edited by hand) declines the program: whether it is safe cannot be told.
-
-Why: ExecuTorch CUDA runtimes up to 1.5 copy each method output out of a SlimTensor that must be contiguous
-("SlimTensor must be contiguous" at run time for a strided view), and release each output handle once, so
-two outputs over one allocation are freed twice. An output over an input or a weight is the same hazard
-across the call boundary: the caller would get memory the runtime owns and reuses. A fresh contiguous
-clone has the output's values, shape and dtype, so the method's results are unchanged.
-
-Memory sharing is read from the graph: an op whose schema says its result aliases an argument (views such as
-slice, transpose, alias; in-place ops such as ``index_copy_``) shares that argument's memory, and so does a
-getitem of such a result (the pieces of ``split``). It is a decision on the graph as written, before any
-executorch step, which is where the runtime's outputs come from.
+Why (ExecuTorch's CUDA runtimes) and how sharing is read from the graph: docs/ARCHITECTURE.md, "Rewrites".
 """
 
 from __future__ import annotations

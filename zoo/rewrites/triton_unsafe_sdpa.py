@@ -1,39 +1,9 @@
 """Attention that executorch's Triton SDPA computes wrong -> the same attention written out as matmuls and a softmax.
 
     scaled_dot_product_attention(q, k, v, mask, 0.0, causal, scale=s)      where triton_sdpa_faults(...) names one
-        ->  to(softmax(q' @ k'^T * s + bias, dim=-1) @ v', q.dtype)      (the two products as einsum)
+        ->  to(softmax(q' @ k'^T * s + bias, dim=-1) @ v', q.dtype)      (the two products as einsum, x' in float32)
 
-    x' = x in float32 (bf16 and fp16 inputs; float32 and float64 stay as they are)
-    s  = the call's scale, or 1 / sqrt(D_qk)
-    bias: a float mask is added; a boolean mask keeps where True and sets -inf where False; a causal call keeps
-          tril(ones(L_q, L_kv)), the top-left alignment torch's own SDPA uses. With a mask the softmax is
-          ``_safe_softmax``, which gives a row that masks every key zeros instead of NaN, as torch's math SDPA does.
-
-Why: executorch 1.2.0's CUDA backend replaces every SDPA with its own Triton kernel (``triton_kernel_mode=ON``, the
-default; ``backends/cuda/triton/kernels/sdpa.py``), and that kernel is silently wrong in three cases, with no error
-and no warning (``triton_sdpa_faults`` names them for one node):
-
-1. A head wider than 256. The non-power-of-two path sizes its head block with ``_next_power_of_2``, which is clamped
-   to 256, and masks the channels past the block: scores come from the first 256 channels of q and k, only the first
-   256 channels of the output are written, the rest of its ``torch.empty`` is whatever memory held. Wan2.2's VAE
-   encoder has one such attention (a single 640-channel head in its middle block); at real size on the H200,
-   LingBot-VA's ``vae_encode_first`` verified at relative L2 0.545 from eager, and NaNs reached the actions from
-   the second chunk on. (A power-of-two head of 512 takes the other path, with a [64, 512] float32 accumulator per
-   program, which the kernel was not written for either: it is written out too.)
-2. No mask, not causal, and a key length that is not a multiple of 256. The power-of-two path loads the keys past
-   the end of its last 128- or 256-key block as zeros and never masks them, so each one adds exp(0 - max) to the
-   softmax's denominator and every output row shrinks. At 64 keys and a head of 128 the H200 measured relative L2
-   0.64 at cosine 0.994. (With a mask, or causal, those keys get -inf; the non-power-of-two path masks them always.)
-3. A mask that differs per head (its head dimension neither 1 nor broadcast): both paths read head 0's mask for
-   every head.
-
-Written out, the attention reaches Inductor as GEMMs and a softmax, which it lowers like any other. The float32
-arithmetic is what torch's math SDPA does for bf16 and fp16 inputs, so the result is at least as close to a
-float32 reference as eager bf16 is. Every other SDPA node keeps the Triton kernel. Under ``triton_kernel_mode=OFF``
-the backend lowers SDPA as this math anyway, so the rewrite changes nothing there but the node count.
-
-A node the rewrite cannot express declines the program: dropout (an inference program has none), grouped-query
-attention (``enable_gqa`` with fewer key heads), a head width that is not a static number.
+The three cases the Triton kernel gets wrong, and what declines: docs/ARCHITECTURE.md, "Rewrites".
 """
 
 from __future__ import annotations

@@ -1,34 +1,9 @@
 """Splitting views -> slices and selects, so that no ``split_copy`` reaches AOTInductor.
 
-    getitem(split(x, s, d), i)                ->  slice(x, d, i*s, (i+1)*s)
-    getitem(chunk(x, n, d), i)                ->  slice(x, d, i*s, (i+1)*s),   s = ceil(size(x, d) / n)
-    getitem(split_with_sizes(x, [s0..], d), i) ->  slice(x, d, s0+..+s(i-1), s0+..+si)
-    getitem(unbind(x, d), i)                  ->  select(x, d, i)
-    (and unsafe_split / unsafe_chunk / split_with_sizes' unsafe twin alike)
+    getitem(split(x, s, d), i)  ->  slice(x, d, i*s, (i+1)*s)        (chunk, split_with_sizes alike)
+    getitem(unbind(x, d), i)    ->  select(x, d, i)                  (and the unsafe_ twins)
 
-Each getitem becomes a view of x with the same sizes, strides and storage offset as the piece it replaces
-(slice clamps an end past the size, as split's last piece does).
-
-Where the rewrite acts, and why here: zoo's rewrites run on the ATen program ``torch.export`` returns, and
-the view-copy ops appear only later, when ``to_edge`` functionalises views (CudaPartitioner keeps every op
-of the graph undecomposed). Measured on CPU with torch 2.11 / executorch 1.2.0, by capturing the edge
-program the CUDA backend's ``preprocess`` receives: ``chunk`` and ``split`` arrive as ``split_copy.Tensor``,
-``split_with_sizes`` as ``split_with_sizes_copy``, ``unbind`` as ``unbind_copy``, ``slice``/``select`` as
-``slice_copy``/``select_copy``. Of these, Inductor has neither a lowering nor a decomposition for
-``split_copy.Tensor`` (a fatal ATen fallback: "missing fallback kernels: aten::split_copy.Tensor", seen on an
-H200 after a 6-minute compile of the tiny LingBot-VA and Fast-WAM units); ``slice_copy``/``select_copy`` are
-turned back into views by the backend's own ``ReplaceViewCopyWithViewPass``; ``split_with_sizes_copy`` and
-``unbind_copy`` are decomposed by Inductor into one copy per piece.
-
-Rewriting the splitting family in the ATen program (rather than appending a pass to
-``CudaBackend.get_custom_passes``) keeps zoo independent of executorch's private pass list and of how a
-given torch version decomposes ``chunk``: every splitting op leaves the ATen program as slices and selects,
-the two view-copy ops every executorch release with the CUDA backend maps back to views. The members whose
-copies Inductor could decompose are rewritten too, so that they stay views instead of becoming copies.
-
-A piece whose bounds are not static integers (a split along a dynamic dimension, sizes given as symbols)
-cannot be written as a slice with integer bounds, and declines the program. The one exception is
-``split(x, s, d)`` with an integer ``s``, whose bounds ``i*s`` and ``(i+1)*s`` need no size at all.
+Why here, in the ATen program, and what declines: docs/ARCHITECTURE.md, "Rewrites".
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """Running a zoo artifact through ExecuTorch's own C++ runtime: the ``zoo_runner`` program (runtime/cpp).
 
-This is what a deployment runs: ``model.pte`` + ``aoti_cuda_blob.ptd`` loaded by ExecuTorch's runtime and its
-CUDA backend, with the backend's own shims, input/output copies and weight loading. (Verification's other
-runner, zoo.runtimes.aoti, runs the same ``.so`` on libtorch's shims.)
-
-A ``RuntimeSession`` starts one ``zoo_runner --plan -`` process with the program loaded, and keeps it: state a
-method keeps inside the program (a KV pool in the "buffer" layout) lives across calls, as in a deployment, and
-weights are loaded once. Each call writes the inputs to tensor files (zoo.contract.tensor_file) in the METHOD's
-signature order, sends one plan line (``METHOD in0.zt in1.zt ...``) down the pipe and reads one JSON line back
-that names the output files. The runtime maps the inputs to the compiled ``.so``'s own order itself (the
-delegate node records it), unlike torch's AOTI runner, which verification must feed in the ``.so``'s order.
-
-State one call hands to the next stays inside the runner, on the GPU (protocol 2, docs/runtime.md): ``call(...,
-keep={output: NAME})`` leaves that output where the runtime put it, under NAME, and returns a ``DeviceValue`` (a
-name, a shape, a dtype: no tensor) that a later call takes as an input (``$NAME``). NAME is a slot: keeping another
-value under it replaces the first, and an older ``DeviceValue`` of the slot is refused. Keeping a method's state
-under the name it came in as (``k_pool`` in, ``k_pool_next`` kept as ``k_pool``) is what lets the runner skip any
-copy: ExecuTorch 1.2 frees a method's outputs when that method runs again, and the runner copies a named value first
-only when the call about to free it does not replace it (``rescued`` in each reply; ``stats``).
-
-``run_plan`` runs a whole sequence in one process, feeding outputs of earlier calls into later ones inside the
-runner as named values: LingBot-VA's ``video_step``/``action_step`` sharing the KV pool in the "io" layout.
-
-The executable is found from the ``executable`` argument or ``$ZOO_ET_RUNNER``; build it with
-``scripts/build_runtime.sh`` (docs/runtime.md).
+Why and how: docs/runtime.md, "The Python session".
 """
 
 from __future__ import annotations

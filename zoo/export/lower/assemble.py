@@ -1,27 +1,6 @@
 """Assembling one multi-method ExecuTorch program from programs lowered one method each.
 
-Methods lowered in separate processes each leave a complete ExecuTorch program: a ``.pte`` with one execution
-plan and, for the CUDA backend, a ``.ptd`` beside it. This module merges them into the one ``.pte`` (and one
-``.ptd`` per data file name) that a sequential ``to_edge_transform_and_lower(...).to_executorch()`` over all
-methods would have written, at the flatbuffer level, with executorch 1.2's own (de)serializers.
-
-What an execution plan refers to outside itself, and how the merge re-indexes it (schema/program.fbs):
-- ``Tensor.data_buffer_idx`` of a constant (``allocation_info`` null) indexes ``Program.constant_buffer``; of a
-  mutable tensor with an initial value (``allocation_info`` set) it indexes the mutable data segment (index 0 is
-  reserved in both). Tensors whose data is EXTERNAL are found by fully qualified name and keep their index.
-- ``BackendDelegate.processed`` of INLINE data indexes ``Program.backend_delegate_data``.
-- Named data (``<method>_so_blob`` in the .pte, ``<method>_weights_blob`` or FQN keys in a .ptd) is global: a
-  key may appear in several programs only with the same bytes.
-Values, operators, chains and memory-planned buffer sizes are per plan and move unchanged. Byte-identical
-constants, delegate blobs and named data are stored once, as the sequential path stores them.
-
-A ``.ptd`` is merged by streaming: its index is read with ExecuTorch's flat_tensor schema, each entry's bytes
-are copied from where they lie (never all in memory: a LingBot-VA weights blob is ~10 GB), and entries whose
-bytes are identical share one segment. So two methods whose weight blobs are byte-identical (see
-``zoo.export.lower.constant_plan``) cost one copy in the file, both keys naming the one segment.
-
-Writing is atomic in the order ``zoo.export.lower.outputs.write_artifacts`` uses: the old ``.pte`` is removed first, the
-data files are moved into place next, and the ``.pte`` last, as the commit point.
+Why and how: docs/ARCHITECTURE.md, "Assembling one program from single-method ones".
 """
 
 from __future__ import annotations

@@ -1,32 +1,6 @@
 """One constant table for every method of a unit, so that their weight blobs are byte-identical and stored once.
 
-How an AOTInductor ``.so`` gets its weights (read in torch 2.11's Inductor sources):
-- its constants are Inductor's ``GraphLowering.constants``: the parameters, buffers and lifted constants the
-  lowered graph reads. Parameters the method does not use are dropped, and 1-D constants of at most 8 elements
-  and 0-d ones are inlined into the code (``GraphLowering.get_attr``);
-- ``constants_info_[i]`` and the weights blob follow that dict's order (``cpp_wrapper_cpu.py``,
-  ``codecache.py``): the blob is each constant's whole storage, one after another, with no padding when all
-  constants are on the GPU (64-byte padding when some are on the CPU);
-- the runtime reads the blob sequentially by ``constants_info_`` (``model_base.h``, ``load_constants``).
-
-So two methods of one unit carry different subsets of the weights in different orders: LingBot-VA's
-``video_step`` and ``action_step`` blobs share ~10 GB of transformer weights yet differ as byte strings, and
-the ``.ptd`` stores both.
-
-``sharing_groups`` first puts the methods that read mostly the same weights together; each group gets its own
-table. ``plan_constants`` makes one table for all methods of a group: every constant any of them reads (in a fixed
-order), except buffers some method mutates (a method's state stays its own) and names whose values differ
-between methods.
-``inductor_follows_plan``, active while a method is lowered, makes that method's constant table exactly the plan,
-adding what it does not read, followed by its own private constants. Methods without private constants then
-get byte-identical blobs: ``zoo.export.lower.assemble`` stores them once (both ``<method>_weights_blob`` keys naming one
-segment), and an ExecuTorch CUDA runtime with the per-FQN weight cache (1.3+, backend option
-``weight_sharing_across_methods``) finds every constant of the second method cached and loads no second copy.
-The cost: each method's ``.so`` also carries the other methods' few private weights.
-
-The hook changes Inductor's constant table between lowering and code generation; it checks that the Inductor
-it patches has the attributes it relies on, and records the table each compile ended with, so that the caller
-can check the result (``tables``) and the assembler can confirm the blobs came out identical.
+Why and how: docs/ARCHITECTURE.md, "One constant table per group of methods".
 """
 
 from __future__ import annotations

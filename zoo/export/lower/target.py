@@ -1,25 +1,6 @@
 """Lowering for a GPU other than the one lowering runs on (``lowering.target``, ``python -m zoo lower --target``).
 
-What can work, and why (torch 2.11, Triton 3.6, ExecuTorch 1.2):
-- The ``.so`` around the kernels is host code for the lowering machine: AOTInductor cross-compiles to Windows
-  only (``aot_inductor.cross_target_platform``), so a target with another host (Jetson Orin and Thor: aarch64) is
-  lowered on such a machine, in practice the Jetson itself.
-- Inductor runs every kernel it compiles while lowering (autotuning, and AOTInductor's own first run), so the
-  target's kernels must run on the lowering GPU. Triton writes arch-specific code (``sm_90a``) for every GPU of
-  compute capability 9.0 and newer, which runs on that architecture only; code for an older architecture below
-  9.0 runs here through the driver's JIT compile of its PTX. So a target is either this GPU's architecture
-  (lowered as usual) or an older one below 9.0 (A100, A10G, L4, RTX 4090 on an H100/H200): that is the "ptx" plan.
-- The "ptx" plan, inside each method's lowering (``target_compile``): Inductor is shown the target's compute
-  capability and shared memory (``torch.cuda.get_device_capability`` and ``get_device_properties`` answer for
-  it), so Triton compiles for it (``GPUTarget(cuda, 80)``: PTX ``.target sm_80``) and AOTInductor's multi-arch
-  step writes ``compute_80`` PTX + ``sm_80`` SASS (``cuda.arch``); Triton's own loader would be handed an
-  ``sm_80`` cubin this GPU cannot load, so its cubin stage (a Triton stages hook) hands it a fatbin of that SASS
-  plus the PTX instead, which the driver JIT-compiles here; a kernel config needing more shared memory than the
-  target has is dropped as out of resources; Inductor's compiles stay in this process (the hook lives here) and
-  its and Triton's caches get a folder of their own per target. ``TRITON_OVERRIDE_ARCH`` alone does not do it:
-  Triton 3.6 takes the PTX and cubin architecture from the target, not from it.
-- What was lowered is then read back from the binary (``check_lowered``): every kernel must carry SASS for the
-  target, or the lowering fails.
+Why and how: docs/ARCHITECTURE.md, "Lowering for another GPU".
 """
 
 from __future__ import annotations

@@ -1,22 +1,6 @@
 """Lowering each method in a fresh worker process, a bounded number at a time, then assembling one program.
 
-Why processes: lowering a real-size method is one Python thread for six to eight minutes (Inductor's scheduler,
-codegen and autotuning; docs/benchmarks.md has the measured parts), and the methods of a unit are independent until the
-last step. Each method is lowered by ``zoo.export.lower.workers.main`` with its job file, in its own process, so
-methods run side by side on a many-core machine and no compile state (Inductor caches, GPU memory, patched
-settings) passes from one method to the next. The parent then merges the single-method programs with ``zoo.export.lower.assemble``.
-
-The lowering of one method is injected by name, ``"package.module:function"``, called in the worker as::
-
-    function(method: str, program: torch.export.ExportedProgram, options: dict) -> LoweredMethod
-
-where ``program`` is loaded from the job's ``.pt2`` file and ``options`` is the job's JSON options. The worker
-writes what it returns (``<method>.pte`` and the ``.ptd`` files) into its folder with the record as
-``result.json``. A worker's failure fails the whole lowering with that method's error (its zoo error type,
-message and hint, or the exit status and the end of its log); the other workers are stopped.
-
-Each worker's folder (``work_dir/<method>/``): ``job.json``, ``worker.log`` (its stdout and stderr),
-``<method>.pte``, ``*.ptd``, and ``result.json`` or ``error.json``.
+Why and how: docs/ARCHITECTURE.md, "Lowering in worker processes".
 """
 
 from __future__ import annotations
