@@ -31,7 +31,7 @@ from zoo.cli import common as cli
 from zoo.core.atomic import write_json
 from zoo.core.errors import ZooError
 from zoo.export.pull import checkpoint_into_cache
-from zoo.core.progress import bars_on, say, steps
+from zoo.core.progress import bars_on, run_log, say, steps
 from zoo.contract.recipes import load_recipe
 from zoo.core.report import format_table
 
@@ -50,6 +50,7 @@ STAND_INS: Dict[str, Dict[str, Tuple[str, str]]] = {
                                                       "no Linux aarch64 wheel exists")},
 }
 BUNDLE_MANIFEST = "manifest.json"  # the bundle's own file list (a bundle is not a run folder)
+BUNDLE_LOG = "bundle.log"  # what the libraries printed while the checkpoints were added
 
 
 class BundleError(ZooError):
@@ -291,7 +292,12 @@ def build_bundle(out_dir: Path, recipes: Sequence[str] = (), python: str = "3.12
             wheel.unlink()
     download(kept, wheels_dir, python, platform, index + ["--find-links", str(wheels_dir)])
 
-    hub_entries = add_checkpoints(recipes, hub_dir) if (weights and recipes) else []
+    hub_entries = []
+    if weights and recipes:
+        # Fabricating or pulling a checkpoint prints the libraries' own lines (shard writers, warnings): they go
+        # to the bundle's log, not the terminal.
+        with run_log(out_dir / BUNDLE_LOG):
+            hub_entries = add_checkpoints(recipes, hub_dir)
     say("hashing the bundle's files for manifest.json ...")
     wheels = [file_record(p, out_dir) for p in steps(sorted(wheels_dir.glob("*.whl")), "hash wheels",
                                                         label=lambda p: p.name, unit="file")]
