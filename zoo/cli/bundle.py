@@ -1,18 +1,8 @@
-"""``python -m zoo bundle OUT_DIR``: everything an offline GPU box or a Jetson needs to run zoo, in one folder.
-
-    OUT_DIR/
-      wheels/         zoo's dependencies for the target Python and platform (pip's own resolver and downloader)
-      hub/            the recipes' checkpoints as a Hugging Face Hub cache (HF_HUB_CACHE=OUT_DIR/hub finds them)
-      manifest.json   every file with its size and sha256, the target, what was left out and why
-
-What the target already has is left out with ``--have NAME[==VERSION]`` (or ``--have-file``, a ``pip freeze``
-of the target): that package and every package only it needs. A name without a version trusts whatever
-version the target has; with a version, the package is left out only when the resolved version is the same
-(the GPU box's transformers 5.17 does not satisfy lerobot 0.6.1, so it still travels).
-
-Resolution is pip's: ``pip install --dry-run --report`` for the target interpreter and platform tags, then
-``pip download --no-deps`` of exactly what it chose. Packages that exist only as source distributions
-(antlr4-python3-runtime 4.9.3, omegaconf's parser runtime) are built into wheels here first.
+"""``python -m zoo bundle OUT_DIR``: everything an offline GPU box or a Jetson needs to run zoo, in one folder:
+``wheels/`` (zoo's dependencies for the target Python and platform, resolved and downloaded by pip), ``hub/`` (the
+recipes' checkpoints as a Hugging Face Hub cache) and ``manifest.json`` (every file's size and sha256, the target,
+what was left out and why). What the target has is left out with ``--have``/``--have-file`` (README, "Offline
+and Jetson").
 """
 
 from __future__ import annotations

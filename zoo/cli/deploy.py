@@ -1,17 +1,7 @@
-"""Command lines of the deploy half: ``python -m zoo prompt`` and ``python -m zoo act``.
-
-    python -m zoo prompt RUN_DIR "pick up the bowl" [-o FILE]
-        The task's UMT5 embedding, computed once, eagerly, with the policy's own text encoder (LeRobot's, so it
-        needs lerobot: a workstation, not the robot). Written as a safetensors prompt file the runner loads;
-        by default into RUN_DIR/prompts/, where ``zoo.runner.load`` finds it by itself.
-
-    python -m zoo act RUN_DIR --observation FILE [--prompt FILE ...] [--backend eager|artifact|executorch] [--device DEV]
-        One action chunk (``runner.predict_action_chunk``) for one observation, printed in robot units.
-        The observation file is safetensors: LeRobot's batch keys, the task text in its metadata
-        (zoo/runner/observations.py); ``--example-observation OUT`` writes a seeded one to start from.
-
-RUN_DIR is a run folder of ``python -m zoo.export`` or a published artifact (a downloaded folder, or for
-``act`` its Hub repo id).
+"""Command lines of the deploy half: ``python -m zoo prompt RUN_DIR TASK`` (the task's UMT5 embedding, made once
+with the policy's own text encoder, into RUN_DIR/prompts/) and ``python -m zoo act RUN_DIR --observation FILE``
+(one action chunk for one observation, in robot units, on the eager, artifact or executorch backend). RUN_DIR is
+a run folder or a published artifact (README, "Run a policy from its artifact").
 """
 
 from __future__ import annotations

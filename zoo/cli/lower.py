@@ -1,18 +1,8 @@
 """``python -m zoo lower RUN_DIR [KEY=VALUE ...]``: lower, audit and verify a saved run on this machine.
 
-It needs no lerobot: everything comes from the run folder the export step wrote (recipe.yaml, io_spec.json,
-rewritten.<method>.pt2 to lower, exported.<method>.pt2 as the eager reference, reference_fp32.<method>.pt2 for
-bf16). Steps (``zoo.export.stages``), each recorded into the run's report.json / report.md:
-  preflight  fallback kernels the programs need vs the target runtime (CPU; refuses before the compile)
-  lower      model.pte + aoti_cuda_blob.ptd, so/<method>.so + weights blob + io.json (needs a GPU); --target
-             lowers for another GPU where this machine can (zoo.export.lower.target), and refuses where it cannot
-  audit      which ExecuTorch CUDA runtime releases can load each method's .so, and which GPUs and hosts run
-             it (read from its kernels and host code)
-  verify     the shipped artifact against eager at every seed and size (needs a GPU), on torch's AOTI runner
-             and ExecuTorch's C++ runtime (--runtime; the runtime from --et-runner or $ZOO_ET_RUNNER)
-The new artifact is staged beside the run (the run's programs are hard-linked, not copied) and moved into place
-only once it has passed at least the stages the run had passed; a failed, interrupted or lesser attempt is kept
-in RUN_DIR/attempts/ and the run stays as it was.
+It needs no lerobot: everything comes from the run folder the export wrote. The steps are ``zoo.export.stages``'s
+(preflight, lower, audit, verify); the new artifact is staged beside the run and put in place only once it passed
+at least the stages the run had passed (README, "Lower, audit and verify on a GPU").
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""What each ExecuTorch CUDA runtime can run, and how zoo asks ExecuTorch's CUDA backend to compile for it.
-
-- The release table (``zoo/data/runtimes.json``): per runtime release, the dtypes it has and every ``aoti_torch_*``
-  function its shim library exports, each release written as the difference to its ``base``. The kernel
-  preflight checks a program against it before the compile, the symbol audit checks the compiled ``.so``.
-- The fallback allow-list: the ATen fallback kernels the installed executorch's ``CudaBackend`` lets a
-  compiled method call (its compile refuses any other, but only after the whole compile).
-- The compile specs zoo gives ``CudaPartitioner`` for each method.
-- ``RuntimeRequirement``: the runtime release a lowered artifact needs (``runtime.json`` in the run folder), and
-  the check of a zoo_runner build against it.
-
-Why an artifact is tied to one runtime release line: zoo lowers with its graph inputs and outputs left out of
-memory planning, so that state one call hands to the next can stay on the GPU; keeping outputs there is ExecuTorch
-1.2's ``skip_copy_output_to_cpu_for_method`` backend option, which 1.4 turned into a no-op (its replacement is an
-export-time setting, ``propagate_device_config``). A runtime of another release would copy into output memory the
-artifact never planned.
+"""What each ExecuTorch CUDA runtime release can run, and how zoo asks ExecuTorch's CUDA backend to compile for it:
+the release table (``zoo/data/runtimes.json``: dtypes and ``aoti_torch_*`` symbols per release), the fallback
+allow-list, the compile specs, and ``RuntimeRequirement`` (``runtime.json``: the release an artifact needs, checked
+against a zoo_runner build). Why an artifact is tied to one release line: docs/ARCHITECTURE.md, "Audit and
+verification".
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""Runtime audit: which ExecuTorch CUDA runtime releases can load an artifact, read from its compiled code.
-
-Each method's AOTInductor ``.so`` names every runtime function it needs as an undefined ``aoti_torch_*``
-symbol (dtype constants, tensor and stream helpers, fallback kernels). The ExecuTorch CUDA runtime resolves
-them against its own shim library when it loads the ``.so``, lazily: a missing one fails on the robot, at the
-first call. Comparing the symbols (read with pyelftools) with what each release exports
-(``zoo/data/runtimes.json``) tells before shipping which releases can load the artifact and what is missing.
-
-It also says what each release does with the weights (``weights_facts``, read from the ``.ptd`` beside the
-``.pte``): the ``.ptd``'s size against one copy, whether every method's weights blob is the same segment
-(byte-identical: ``zoo.export.lower.constant_plan``), and the GPU memory the weights take once every method is loaded, as
-each release's CUDA backend loads them (by reading its source; the measured numbers are in docs/gpu-results.md).
-
-It also reads which GPUs and hosts can run each method (``zoo.contract.gpu_targets``): the host machine of the ``.so`` and
-the architecture of every kernel image embedded in it (SASS, PTX), against zoo's table of GPUs.
+"""Runtime audit: which ExecuTorch CUDA runtime releases can load an artifact, what each does with its weights,
+and which GPUs and hosts run it, all read from the compiled code (docs/ARCHITECTURE.md, "Audit and verification").
 
 ``python -m zoo audit PATH [--json] [--require RELEASE]``: PATH is a run folder, any CUDA ``.pte`` written by
-ExecuTorch 1.2 (with or without its ``.ptd``; only the ``.so`` matters for loading), or a single ``.so``.
+ExecuTorch 1.2 (with or without its ``.ptd``), or a single ``.so``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""The whole line, on one in-memory run report, every step under the one stage recorder
-(``zoo.core.report.timed_stage``):
-
-    recipe -> pull -> build unit -> export -> rewrite -> CPU check -> save -> policy check (CPU steps, here)
-           -> preflight -> lower -> audit -> verify -> policy check on the GPU -> manifest (GPU steps, zoo.export.stages)
-
-``run_pipeline`` is ``python -m zoo.export``; ``lower_run`` is ``python -m zoo lower RUN_DIR``, the GPU steps on a
-saved run folder, continuing its report. Each is one ``zoo.contract.run_folder.Attempt``: written into a staging folder
-beside the run folder, with its log (``export.log`` / ``lower.log``: dependency warnings go there, not to the
-terminal), and put in place at the end only if the folder holds no good run yet or the attempt finished and
-passed at least every stage the run there had passed (``force`` waives the second for a finished attempt). A
-failed, interrupted or lesser attempt goes to ``RUN_DIR/attempts/<time>-<status>/`` and the earlier run stays
-byte for byte as it was. The family refuses a recipe it cannot build before anything is fabricated, downloaded
-or written (``zoo.policies.check_recipe``).
-
-The GPU steps read the saved rewritten programs back from the folder, exactly as ``python -m zoo lower RUN_DIR``
-does on a GPU machine later; without a CUDA device they are recorded as skipped, with how to run them.
+"""The whole line on one run report: ``run_pipeline`` (``python -m zoo.export``: pull, build, export, rewrite, CPU
+check, save, policy check, then the GPU steps of ``zoo.export.stages``) and ``lower_run`` (``python -m zoo lower
+RUN_DIR``: the GPU steps on a saved run). Each is one ``run_folder.Attempt``, staged beside the run and put in place
+only when it got at least as far (docs/ARCHITECTURE.md, "The run folder").
 """
 
 from __future__ import annotations

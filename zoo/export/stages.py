@@ -1,24 +1,7 @@
-"""The GPU half of the line, one step each: kernel preflight, lower, audit, verify, and the manifest of a
-verified run. Each runs under the one stage recorder (``zoo.core.report.timed_stage``) and records what it did into
-the run report it is handed; ``zoo.export.pipeline`` strings them together for ``python -m zoo.export`` (right after
-the CPU half, in the same process and on the same report) and for ``python -m zoo lower RUN_DIR`` (on a saved
-run folder, later or on another machine). None of them needs lerobot: everything comes from the run folder.
-
-  preflight  fallback kernels the programs need vs the target runtime (refuses before the compile): on a GPU
-             machine inside each method's lowering, on the edge program the lowering makes; on a machine
-             without one (nothing lowers there), on its own edge programs
-  lower      each method in its own worker, assembled into model.pte + aoti_cuda_blob.ptd (shared weights
-             stored once), so/<method>.so + weights blob + io.json (needs a GPU)
-  audit      which ExecuTorch CUDA runtime releases can load each method's .so
-  verify     the shipped artifact against eager at every seed and size, on torch's AOTI runner and ExecuTorch's
-             C++ runtime (``verify.runtimes``; needs a GPU); the release the ExecuTorch runtime was built from is
-             then marked in the audit as tested by running
-The verification runtimes are chosen before anything else: a choice that names the ExecuTorch runtime without a
-runner to run it fails before the lowering starts.
-  policy check  the artifact runner against LeRobot's own select_action over a chunk sequence (zoo.export.policy_check;
-             needs lerobot, skipped with the reason where it is missing)
-A step that needs a GPU the machine lacks is recorded as skipped (``NoGpuError``), and so are the GPU stages
-after it.
+"""The GPU half of the line, one step each under the stage recorder: kernel preflight, lower, audit, verify, the
+GPU policy check and the manifest of a verified run. ``zoo.export.pipeline`` strings them together; none needs
+lerobot but the policy check, and a step that needs a GPU the machine lacks is recorded as skipped with the GPU
+steps after it (README, "Lower, audit and verify on a GPU").
 """
 
 from __future__ import annotations

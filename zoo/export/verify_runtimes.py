@@ -1,16 +1,6 @@
-"""Which runtimes verification runs the shipped artifact on, and the ExecuTorch one's caller.
-
-- ``aoti``: each method's ``.so`` + weights blob through torch's AOTI runner (zoo.runtimes.aoti), fed in the
-  ``.so``'s own input order; libtorch's shims.
-- ``executorch``: ``model.pte`` + ``aoti_cuda_blob.ptd`` through ExecuTorch's C++ runtime and its CUDA backend
-  (zoo_runner, zoo.runtimes.executorch), fed in the method's signature order; ExecuTorch's shims, what a deployment runs.
-
-The choice is the recipe's ``verify.runtimes`` (the command lines' ``--runtime`` sets it). Unset, both run, the
-ExecuTorch runtime only where a zoo_runner is found (``--et-runner`` or ``$ZOO_ET_RUNNER``); without one it is
-noted as not run, with how to build it. A choice that names ``executorch`` requires the runner: ``choose_runtimes``
-raises ``RuntimeNotBuilt`` (the pipeline calls it before any work, so nothing is lowered for nothing).
-``executorch_caller`` opens one runtime session for a run folder and gives ``call(method, inputs) -> outputs``,
-both in the method's order, on ``device``, the shape verification's comparison loop takes.
+"""Which runtimes verification runs the shipped artifact on (``aoti``: torch's AOTI runner over each ``.so``;
+``executorch``: ExecuTorch's C++ runtime over ``model.pte`` + ``.ptd``), chosen from ``verify.runtimes`` before
+any work, and the ExecuTorch runtime's caller (docs/ARCHITECTURE.md, "Audit and verification").
 """
 
 from __future__ import annotations
