@@ -331,7 +331,7 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
                                    f"{run.status()!r}): nothing is timed on it; lower and verify it first "
                                    "(--only lower), or run --only check to see how its actions differ")
             settings = run.read_host_settings()
-            steps = RUNNERS[settings["policy_type"]].episode_steps(settings, args.chunks)
+            steps = RUNNERS[settings.policy_type].episode_steps(settings, args.chunks)
             observations = synthetic_observations(settings, steps, args.seed, recipe.policy_check.task)
             fam = policies.load_family(family)
             runner = load_runner(run, backend=args.backend, device=args.device)
