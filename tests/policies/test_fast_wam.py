@@ -128,7 +128,7 @@ def run_split(unit, latents, context, mask, proprio, noise) -> torch.Tensor:
     with torch.no_grad():
         video_k, video_v = prefill(latents, context, mask, proprio)
         x = noise
-        for t, d in zip(unit.host_settings["timesteps"], unit.host_settings["deltas"]):
+        for t, d in zip(unit.host_settings.timesteps, unit.host_settings.deltas):
             x = step(x, torch.tensor([t], dtype=dtype), torch.tensor([d], dtype=dtype), context, mask, proprio,
                      video_k, video_v)
     return x
