@@ -1,8 +1,9 @@
 """What a policy family hands the pipeline: an export unit with its methods and how to feed them.
 
 A family module (``zoo/policies/<family>.py``) builds the unit from a pulled checkpoint. Everything the
-later steps need to lower and verify *without* lerobot (input specs, dynamic dims, host settings) is plain
-data here and is written to the run folder as JSON, so ``python -m zoo lower RUN_DIR`` works on a Jetson.
+later steps need to lower and verify *without* lerobot (input specs, dynamic dims, host settings) is a typed
+dataclass of ``zoo.contract`` written to the run folder as JSON, so ``python -m zoo lower RUN_DIR`` works on a
+Jetson.
 """
 
 from __future__ import annotations
