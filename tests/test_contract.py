@@ -98,7 +98,7 @@ def test_a_value_of_the_wrong_type_is_named_by_its_key_path(run):
     spec = json.loads(json.dumps(IO_SPEC_JSON))
     spec["methods"]["video_step"]["inputs"][1]["shape"] = [True]
     assert _refused(run.io_spec_file, spec, run.read_io_spec) == \
-        f"{run.io_spec_file}, key methods.video_step.inputs[1].shape[0] should be a whole number or a string, not True"
+        f"{run.io_spec_file}, key methods.video_step.inputs[1].shape[0] should be a string or a whole number, not True"
 
 
 def test_an_unknown_family_is_refused(run):

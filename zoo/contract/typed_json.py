@@ -110,7 +110,8 @@ def _scalar(hint: Any, value: Any, file: str, where: str) -> Any:
 def _words(hint: Any) -> str:
     names = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
     if typing.get_origin(hint) is Union:
-        return " or ".join("null" if a is _NONE else _words(a) for a in typing.get_args(hint))
+        # Sorted: typing caches equal unions, so the order of a hint's options depends on what was built first.
+        return " or ".join(sorted("null" if a is _NONE else _words(a) for a in typing.get_args(hint)))
     if typing.get_origin(hint) is list:
         return "a list"
     return names.get(hint, getattr(hint, "__name__", str(hint)))
