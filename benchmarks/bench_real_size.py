@@ -25,6 +25,7 @@ import torch
 
 from zoo import bench
 from zoo.bench.seeded import UnitSpec, build_unit, parse_unit, selected_methods, unit_candidates, unit_recipe
+from zoo.contract.io_spec import DynamicDim, IoSpec
 from zoo.contract.run_folder import RunFolder
 from zoo.core.report import RunReport, timed_stage
 from zoo.export import pipeline
@@ -53,9 +54,9 @@ def run_unit(spec: UnitSpec, args, out_dir: Path, results: Dict[str, Any]) -> No
     try:
         sizes = exporting.example_sizes(recipe)
         # Sizes outside the recipe's dynamic range fail here, before minutes of building and lowering.
-        cases = bench.size_cases({"example_sizes": sizes, "dynamic": {d: {"min": r.min, "max": r.max}
-                                                                      for d, r in recipe.dynamic.items()}},
-                                 {"seq": spec.sizes} if spec.sizes else {})
+        planned = IoSpec(dtype=recipe.unit.dtype, methods={}, example_sizes=sizes,
+                         dynamic={d: DynamicDim(min=r.min, max=r.max) for d, r in recipe.dynamic.items()})
+        cases = bench.size_cases(planned, {"seq": spec.sizes} if spec.sizes else {})
         methods = spec.methods or list(recipe.unit.methods)
         record["methods"] = methods
         # The steps see the selected methods only: the recipe (for export, io_spec.json, verification) and the

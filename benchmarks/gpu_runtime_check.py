@@ -29,7 +29,6 @@ from zoo.runtimes import executorch as et_runtime
 from zoo.export import verify  # noqa: E402
 from zoo.contract.artifact import extract_method_files  # noqa: E402
 from zoo.core.errors import ZooError  # noqa: E402
-from zoo.policies.base import InputSpec  # noqa: E402
 from zoo.core.report import format_table  # noqa: E402
 from zoo.contract.run_folder import RunFolder  # noqa: E402
 from zoo.export.runtime_sequence import (IO_MODES, io_positions, pool_sequence, result_passed,  # noqa: E402
@@ -59,12 +58,11 @@ def verification_from_report(run: RunFolder) -> Dict[str, Any]:
 
 def _latency_inputs(run: RunFolder, recipe, method: str):
     io_spec = run.read_io_spec()
-    per_method = io_spec.get("methods", io_spec)
     if recipe is not None:
         sizes, seed = verify.size_cases(io_spec, recipe)[0], recipe.verify.seeds[0]
     else:  # a run folder without its recipe: the smallest size of each dynamic dim, seed 0
-        sizes, seed = {d: int(r["min"]) for d, r in (io_spec.get("dynamic") or {}).items()}, 0
-    specs = [InputSpec(**d) for d in per_method[method]["inputs"]]
+        sizes, seed = {d: r.min for d, r in io_spec.dynamic.items()}, 0
+    specs = list(io_spec.methods[method].inputs)
     used = {d: sizes[d] for spec in specs for d in spec.shape if isinstance(d, str)}
     return used, seed, verify.draw_inputs(specs, used, seed, method)
 
@@ -151,7 +149,7 @@ def latency(run: RunFolder, recipe, method: str, runner: Path, work: Path, warmu
     row: Dict[str, Any] = {"method": method, "seed": seed, "sizes": used, "warmup": warmup, "iters": iters,
                            "state": state}
     files = [str(write_tensor(work / f"{method}.in{i}.zt", t)) for i, t in enumerate(inputs)]
-    n_out = len(run.read_io_spec()["methods"][method]["outputs"])
+    n_out = len(run.read_io_spec().methods[method].outputs)
     for mode in IO_MODES:
         row[f"executorch_{mode}"] = et_latency(run, method, runner, files, n_out, mode, state, warmup, iters)
     for f in files:
@@ -313,7 +311,7 @@ def check_run(run_dir: Path, args, runner: Path, work: Path) -> Dict[str, Any]:
             res["sequence"] = pool_sequence(run, recipe, runner, args.steps)
         except Exception as exc:  # recorded and shown: a failure here is a finding, not a crash of the check
             res["sequence"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-    methods = list(recipe.unit.methods) if recipe is not None else list(run.read_io_spec().get("methods", {}))
+    methods = list(recipe.unit.methods) if recipe is not None else list(run.read_io_spec().methods)
     wanted = methods if "all" in args.latency else args.latency
     res["latency"] = []
     for method in wanted:
@@ -327,7 +325,7 @@ def check_run(run_dir: Path, args, runner: Path, work: Path) -> Dict[str, Any]:
     if args.memory:
         say("GPU memory with every method loaded, weights shared and not")
         try:
-            res["memory"] = load_memory(run, runner, list(run.read_io_spec().get("methods", {})))
+            res["memory"] = load_memory(run, runner, list(run.read_io_spec().methods))
         except Exception as exc:
             res["memory_error"] = f"{type(exc).__name__}: {exc}"
     res["passed"] = result_passed(res)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from zoo import bench
+from zoo.contract.io_spec import DynamicDim, IoSpec
 from zoo.bench import (
     Candidate,
     PerfCounterTimer,
@@ -258,7 +259,7 @@ def test_inputs_are_distinct_seeded_sets_of_the_spec_shapes():
 
 
 def test_size_cases_vary_each_dynamic_dim_within_its_range():
-    spec = {"dynamic": {"seq": {"min": 2, "max": 2048}}, "example_sizes": {"seq": 3}}
+    spec = IoSpec(dtype="float32", methods={}, dynamic={"seq": DynamicDim(min=2, max=2048)}, example_sizes={"seq": 3})
     assert bench.size_cases(spec, {}) == [{"seq": 3}]
     assert bench.size_cases(spec, bench.parse_sizes(["seq=128,512", "seq=2048"])) == [
         {"seq": 128}, {"seq": 512}, {"seq": 2048}]
@@ -407,7 +408,7 @@ def run_folder(tmp_path_factory):
     rewritten = replace_complex_with_real(ep, complex128_as="float32")
     assert rewritten.changed and not rewritten.declined
     torch.export.save(rewritten.program, str(run_dir / "rewritten.forward.pt2"))
-    io_spec = {"dtype": "float32", "dynamic": {"seq": {"min": 2, "max": 16}}, "example_sizes": {"seq": 5},
+    io_spec = {"format": 1, "dtype": "float32", "dynamic": {"seq": {"min": 2, "max": 16}}, "example_sizes": {"seq": 5},
                "methods": {"forward": {"inputs": [{"name": "x", "dtype": "float32", "shape": [1, "seq", 3, 8],
                                                    "sampler": "normal"}], "outputs": ["y"]}}}
     (run_dir / "io_spec.json").write_text(json.dumps(io_spec))

@@ -19,6 +19,7 @@ import struct
 import pytest
 
 from zoo.contract import gpu_targets
+from zoo.contract.host_settings import NoHostSettings
 from zoo.core.errors import GpuTargetMismatch, LoweringError, RecipeError
 from zoo.contract.gpu_targets import Device, KernelImage
 
@@ -264,7 +265,7 @@ def test_the_manifest_and_the_card_state_the_target_and_what_runs_it():
     assert kernels["runs_on_through_ptx_jit"] == ["h100", "h200", "b200", "rtx5090"]
     assert kernels["not_on"] == {"the kernels are sm_80/compute_80": ["t4"],
                                  "host aarch64; the .so is x86_64 host code": ["gh200", "orin", "thor"]}
-    card = render_card(card_manifest(gpu=gpu), {}, {}, "org/tiny")
+    card = render_card(card_manifest(gpu=gpu), None, NoHostSettings(), "org/tiny")
     assert "## Which GPUs and hosts can run it" in card
     assert "the kernels are `sm_80`, `compute_80`" in card and "NVIDIA A100 (compute capability 8.0, sm_80)" in card
     assert "| h100, h200, b200, rtx5090 | yes, through the driver's JIT compile of the PTX (PTX ISA 8.7" in card

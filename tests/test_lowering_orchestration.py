@@ -22,6 +22,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from zoo.contract.io_spec import IoSpec
 from zoo.contract import artifact
 from zoo.export import audit
 from zoo.export.lower import lowering
@@ -109,7 +110,7 @@ def run_folder(path: Path):
         "name": "orchestration-toy", "family": "llama", "source": {"repo_id": "none/none"},
         "unit": {"methods": list(METHODS), "dtype": "float32"},
         "lowering": {"triton_kernel_mode": "OFF"}, "verify": {"seeds": [0, 1]}}))
-    run.write_io_spec({"dtype": "float32", "methods": IO, "dynamic": {}})
+    run.write_io_spec(IoSpec.from_json({"format": 1, "dtype": "float32", "methods": IO}, "io_spec.json"))
     for method, program in programs().items():
         run.save_program(program, "exported", method)
     return run, run.load_recipe()

@@ -7,9 +7,12 @@ import pytest
 import yaml
 
 from zoo.contract import chunk_latency
+from zoo.contract.host_settings import NoHostSettings
+from zoo.contract.io_spec import IoSpec
 from zoo.export.publish.card_results import audit_rows
 from zoo.export.publish.model_card import card_metadata, render_card, resolve_license, runtime_ref
 
+from support.contract_cases import llama_settings
 from support.manifests import manifest
 
 
@@ -61,7 +64,7 @@ def test_fabricated_checkpoints_get_no_base_model_and_a_warning():
     m["recipe"]["source"]["fabricate"] = True
     meta = card_metadata(m)
     assert "base_model" not in meta and "license" not in meta
-    card = render_card(m, {}, {}, "org/tiny")
+    card = render_card(m, None, NoHostSettings(), "org/tiny")
     assert "**Test artifact.**" in card
     assert "License: none stated by the source checkpoint or the recipe" in card
     assert "license:" not in card.split("---\n")[1]
@@ -120,7 +123,7 @@ def test_card_names_the_groups_of_methods_that_share_a_blob():
                                          "action_step": 9 * gib},
         "segments": [["vae_encode_first", "vae_encode"], ["video_step", "action_step"]], "shared": True,
         "gpu_bytes_each_method_own_copy": 20 * gib, "gpu_bytes_one_copy": 10 * gib}}
-    card = render_card(manifest(audit=audit), {}, {}, "org/x")
+    card = render_card(manifest(audit=audit), None, NoHostSettings(), "org/x")
     assert ("- The methods that read the same weights have one blob, stored once: `vae_encode_first` = "
             "`vae_encode`; `video_step` = `action_step`. With every method loaded, a runtime that gives each method "
             "its own copy holds 20.00 GiB of weights on the GPU; one copy is 10.00 GiB.") in card
@@ -134,7 +137,7 @@ def test_card_states_the_weights_on_each_runtime_from_the_audit():
              "weights": {"ptd_bytes": 10 * gib, "blobs": {"video_step": 9 * gib, "action_step": 9 * gib},
                          "segments": [["video_step", "action_step"]], "shared": True,
                          "gpu_bytes_each_method_own_copy": 18 * gib, "gpu_bytes_one_copy": 9 * gib}}
-    card = render_card(manifest(audit=audit), {}, {}, "org/x")
+    card = render_card(manifest(audit=audit), None, NoHostSettings(), "org/x")
     assert "- `aoti_cuda_blob.ptd` is 10.00 GiB; the methods' weights blobs: `video_step` 9.00 GiB, " \
            "`action_step` 9.00 GiB." in card
     assert "- Every method's weights blob is the same bytes, stored once. With every method loaded, " \
@@ -143,18 +146,18 @@ def test_card_states_the_weights_on_each_runtime_from_the_audit():
     assert "- ExecuTorch 1.2: each method's container copies its own weights blob" in card
     assert "ExecuTorch 1.3:" not in card
     assert "Measured:" not in card  # nothing ran on ExecuTorch's runtime: no measured line
-    assert "The weights on each runtime" not in render_card(manifest(), {}, {}, "org/x")
+    assert "The weights on each runtime" not in render_card(manifest(), None, NoHostSettings(), "org/x")
 
     # What verification measured on ExecuTorch's own runtime (the H200 run's 19334 MiB for both methods).
     ran = manifest(audit=audit)
     ran["verification"]["runtimes"] = {"executorch": {"status": "ran", "release": "1.2", "gpu_loaded_mib": 19334.2}}
     assert ("- Measured: ExecuTorch 1.2 took 19334 MiB of GPU memory after loading every method (zoo_runner, "
-            "`cudaMemGetInfo` before and after).") in render_card(ran, {}, {}, "org/x")
+            "`cudaMemGetInfo` before and after).") in render_card(ran, None, NoHostSettings(), "org/x")
 
 
 def test_card_says_when_no_runtime_loads_the_artifact():
     m = manifest(audit={"1.2": {"loadable": False, "missing_symbols": ["aoti_torch_dtype_float64"]}})
-    card = render_card(m, {}, {}, "org/x")
+    card = render_card(m, None, NoHostSettings(), "org/x")
     assert "No audited ExecuTorch release can load this artifact" in card
     assert "| 1.2 | no | `aoti_torch_dtype_float64` |" in card
     assert "the runner below fails to load it" in card
@@ -163,13 +166,13 @@ def test_card_says_when_no_runtime_loads_the_artifact():
 # --- rendering ------------------------------------------------------------------------------------------
 
 
-IO_SPEC = {"dtype": "bfloat16", "dynamic": {}, "example_sizes": {}, "methods": {
+IO_SPEC = IoSpec.from_json({"format": 1, "dtype": "bfloat16", "dynamic": {}, "example_sizes": {}, "methods": {
     "video_step": {"inputs": [{"name": "latent", "dtype": "bfloat16", "shape": [2, 48, 4, 8, 8], "sampler": "normal"},
                               {"name": "slots", "dtype": "int64", "shape": [32], "sampler": "randperm:64"}],
                    "outputs": ["noise_pred"]},
     "action_step": {"inputs": [{"name": "actions", "dtype": "bfloat16", "shape": [2, 16, 30], "sampler": "normal"}],
                     "outputs": ["action_pred"]},
-}}
+}}, "io_spec.json")
 
 
 def test_card_renders_hand_worked_manifest():
@@ -178,7 +181,7 @@ def test_card_renders_hand_worked_manifest():
                                            "counts": {"aten.view_as_complex.default": 60}, "notes": []},
                                           {"rewrite": "replace_detach_with_alias", "changed": False,
                                            "declined": "aten.foo at model.py:3", "counts": {}, "notes": []}]})
-    card = render_card(m, IO_SPEC, {"video_steps": 20, "action_steps": 50, "slots": [0, 1]}, "my-lab/lingbot-va-cuda")
+    card = render_card(m, IO_SPEC, llama_settings(), "my-lab/lingbot-va-cuda")
     meta = yaml.safe_load(card.split("---\n")[1])
     assert meta["base_model"] == "robbyant/lingbot-va" and meta["license"] == "apache-2.0"
     assert card.splitlines()[card.splitlines().index("---", 1) + 2] == "# my-lab/lingbot-va-cuda"
@@ -190,7 +193,8 @@ def test_card_renders_hand_worked_manifest():
     assert "| `action_step` | `actions`: bfloat16 [2, 16, 30] | `action_pred` |" in card
     assert "Compute dtype: `bfloat16`" in card
     assert "classifier-free guidance" in card and "the UMT5 text encoder" in card
-    assert "| `slots` | `[0, 1]` |" in card and "| `video_steps` | `20` |" in card
+    assert "| `eos_token_id` | `[2, 7]` |" in card and "| `vocab_size` | `256` |" in card
+    assert "`format`" not in card and "`family`" not in card  # the file's own keys are no settings
     # two methods: the runner note names them
     assert "This program has 2 methods (`video_step`, `action_step`)" in card
     assert "executor_runner --model_path model.pte --data_path aoti_cuda_blob.ptd" in card
@@ -218,7 +222,7 @@ POLICY_CHECK = {
 
 
 def test_card_shows_the_policy_check_and_the_three_lines_of_python():
-    card = render_card(manifest(policy_check=POLICY_CHECK), IO_SPEC, {}, "my-lab/lingbot-va-cuda")
+    card = render_card(manifest(policy_check=POLICY_CHECK), IO_SPEC, NoHostSettings(), "my-lab/lingbot-va-cuda")
     assert "## Policy check" in card
     # numbers formatted by hand: 2.384e-07, 9.876e-08, cosine 1.0 -> 1.00000000, bound 1e-05 -> 1.0e-05
     assert "| 1 | 12 | 2.384e-07 | 9.876e-08 | 1.00000000 | 1.0e-05 | yes |" in card
@@ -234,14 +238,14 @@ def test_card_shows_the_policy_check_and_the_three_lines_of_python():
 
 
 def test_card_of_a_run_without_a_policy_check_record_says_so():
-    card = render_card(manifest(), IO_SPEC, {}, "my-lab/lingbot-va-cuda")
+    card = render_card(manifest(), IO_SPEC, NoHostSettings(), "my-lab/lingbot-va-cuda")
     assert card.count("Not recorded.") == 2
 
 
 def test_a_llama_card_has_no_policy_to_check_and_no_runner():
     m = manifest()
     m["recipe"]["family"] = "llama"
-    card = render_card(m, IO_SPEC, {}, "my-lab/smol")
+    card = render_card(m, IO_SPEC, NoHostSettings(), "my-lab/smol")
     assert "Not applicable: a Llama-style transformer has no action loop" in card
     assert "zoo.runner.load" not in card
 
@@ -288,7 +292,7 @@ def test_card_quotes_the_recipes_measured_chunk_latency(tmp_path, monkeypatch):
     _measured(tmp_path, monkeypatch, {"lingbot-va": entry})
     m = manifest()
     m["recipe"]["name"] = "lingbot-va"
-    card = render_card(m, IO_SPEC, {}, "my-lab/lingbot-va-cuda")
+    card = render_card(m, IO_SPEC, NoHostSettings(), "my-lab/lingbot-va-cuda")
     assert "## Speed of a whole action chunk" in card
     assert "Measured for the `lingbot-va` recipe on NVIDIA H200 (2026-12-02), bfloat16, seeded weights" in card
     # 412.34567 -> 412.346 stored -> 412.3 shown; 38.76543 actions/s -> 38.8
@@ -303,6 +307,6 @@ def test_card_of_an_unmeasured_recipe_says_so_and_llama_has_no_chunk(tmp_path, m
     _measured(tmp_path, monkeypatch, {"fast-wam": {"gpu": "A"}})
     m = manifest()
     m["recipe"]["name"] = "lingbot-va-tiny"
-    assert "Not measured for the `lingbot-va-tiny` recipe yet" in render_card(m, IO_SPEC, {}, "my-lab/x")
+    assert "Not measured for the `lingbot-va-tiny` recipe yet" in render_card(m, IO_SPEC, NoHostSettings(), "my-lab/x")
     m["recipe"]["family"] = "llama"
-    assert "Speed of a whole action chunk" not in render_card(m, IO_SPEC, {}, "my-lab/x")
+    assert "Speed of a whole action chunk" not in render_card(m, IO_SPEC, NoHostSettings(), "my-lab/x")

@@ -285,12 +285,12 @@ def test_run_folder_of_a_tiny_recipe(test_recipe, toy_family, tmp_path, monkeypa
     refs = Path(source["cache_dir"]) / "models--zoo-test--toy-rope" / "refs" / "main"
     assert source["commit"] == refs.read_text() and source["fabricated"] is True
     assert json.loads((run / "io_spec.json").read_text()) == {
-        "dtype": "float32",
+        "format": 1, "dtype": "float32",
         "methods": {"forward": {"inputs": [{"name": "x", "dtype": "float32", "shape": [1, "seq", 16],
                                             "sampler": "normal"}], "outputs": ["y"]}},
         "dynamic": {"seq": {"min": 2, "max": 24}},
         "example_sizes": {"seq": 3}}
-    assert json.loads((run / "host_settings.json").read_text()) == {"steps": 4, "shift": 1.5}
+    assert json.loads((run / "host_settings.json").read_text()) == {"format": 1, "family": "none"}  # no host loop
     assert json.loads((run / "processors" / "policy_preprocessor.json").read_text()) == {"name": "toy", "steps": []}
 
     # The saved rewritten program has no complex values and computes what the eager toy computes.

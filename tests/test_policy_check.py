@@ -3,6 +3,8 @@ the run's report and model card say so (no lerobot needed: nothing is built)."""
 
 from __future__ import annotations
 
+from zoo.contract.host_settings import NoHostSettings
+from zoo.contract.io_spec import IoSpec
 from zoo.export.publish.model_card import render_card
 from zoo.export.policy_check import policy_check_step, why_skipped
 from zoo.contract.recipes import load_recipe
@@ -29,6 +31,6 @@ def test_the_report_and_the_model_card_record_the_bf16_cpu_skip(tmp_path):
     assert report.get("policy_check") == {"cpu": {"status": "skipped", "reason": BF16_REASON}}
     assert BF16_REASON in report.markdown()
     manifest = {"recipe": recipe.to_dict(), "policy_check": report.get("policy_check"), "files": {}}
-    card = render_card(manifest, {"dtype": "bfloat16", "methods": {}}, {}, "my-lab/lingbot-va-tiny")
+    card = render_card(manifest, IoSpec(dtype="bfloat16", methods={}), NoHostSettings(), "my-lab/lingbot-va-tiny")
     assert ("- On the CPU, during export: the eager runner (the rewritten programs) against LeRobot's policy in "
             f"eager PyTorch. Skipped: {BF16_REASON}.") in card

@@ -36,6 +36,7 @@ from zoo.export.lower.outputs import LoweringResult
 from zoo.export.publish.manifest import read_manifest, write_manifest
 from zoo.core.numerics import compare, judge
 from zoo.export.pipeline import _as_record, io_spec
+from zoo.contract.host_settings import LlamaHostSettings
 from zoo.policies.base import ExportUnit, InputSpec, MethodSpec
 from zoo.contract.recipes import load_recipe
 from zoo.core.report import RunReport
@@ -50,7 +51,10 @@ OVERRIDES = ["verify.seeds=[0,1]"]
 SO_SYMBOLS = ["aoti_torch_create_tensor_from_blob_v2", "aoti_torch_delete_tensor_object",
               "aoti_torch_dtype_float16", "aoti_torch_empty_strided", "aoti_torch_get_data_ptr"]
 GPU = {"name": "NVIDIA H200", "capability": "90", "torch": "2.11.0+cu130", "cuda": "13.0"}  # cuda_device_info()
-HOST_SETTINGS = {"denoise_steps": 10, "shift": 5.0, "guidance_scale": 1.0}
+HOST_SETTINGS = LlamaHostSettings(vocab_size=64, max_seq_len=16, logits_dtype="float32", bos_token_id=None,
+                                  eos_token_id=3, rope_theta=10000.0)
+HOST_ROWS = ["| `vocab_size` | `64` |", "| `max_seq_len` | `16` |", "| `bos_token_id` | `null` |",
+             "| `eos_token_id` | `3` |", "| `rope_theta` | `10000.0` |"]  # the card's table, by hand
 ARTIFACT = {"model.pte", "aoti_cuda_blob.ptd", "io_spec.json", "host_settings.json", "so/forward.io.json",
             "processors/policy_preprocessor.json", "processors/policy_preprocessor_step_0_normalizer.safetensors"}
 
@@ -347,8 +351,8 @@ def test_model_card_states_metadata_audit_verification_and_how_to_run(run, no_to
     # what it computes and what stays on the host
     assert "| `forward` | `x`: float32 [1, seq, 8] | `y` |" in body
     assert "`seq` in [2, 16]" in body
-    for key, value in HOST_SETTINGS.items():
-        assert f"| `{key}` | `{json.dumps(value)}` |" in body
+    for row in HOST_ROWS:
+        assert row in body
     assert "`processors/policy_preprocessor.json`" in body
     # provenance and hashes
     assert SOURCE_COMMIT in body and "`verify.seeds=[0,1]`" in body

@@ -13,6 +13,8 @@ import torch
 
 from zoo.core.errors import LoweringError, ZooError
 from zoo.core.report import RunReport
+from zoo.contract.host_settings import NoHostSettings
+from zoo.contract.io_spec import IoSpec, MethodIo
 from zoo.contract.run_folder import Attempt, RunFolder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,10 +48,15 @@ def test_what_is_written_is_read_back(tmp_path, test_recipe):
     assert run.load_recipe().to_dict() == recipe.to_dict()
     assert run.load_recipe(["verify.seeds=[9]"]).verify.seeds == [9]
     assert run.recipe_dict()["verify"]["seeds"] == [3, 4]
-    run.write_io_spec({"methods": {"forward": {"inputs": [], "outputs": ["y"]}}})
-    run.write_host_settings({"steps": 4})
-    assert run.read_io_spec() == {"methods": {"forward": {"inputs": [], "outputs": ["y"]}}}
-    assert run.read_host_settings() == {"steps": 4}
+    io_spec = IoSpec(dtype="float32", methods={"forward": MethodIo(inputs=[], outputs=["y"])})
+    run.write_io_spec(io_spec)
+    run.write_host_settings(NoHostSettings())
+    assert json.loads(run.io_spec_file.read_text()) == {"format": 1, "dtype": "float32", "dynamic": {},
+                                                         "example_sizes": {},
+                                                         "methods": {"forward": {"inputs": [], "outputs": ["y"]}}}
+    assert run.read_io_spec() == io_spec
+    assert json.loads(run.host_settings_file.read_text()) == {"format": 1, "family": "none"}
+    assert run.read_host_settings() == NoHostSettings()
     run.write_io_order("forward", {"input_order": [1, 0], "output_order": [0]})
     assert run.io_order("forward")["input_order"] == [1, 0]
 

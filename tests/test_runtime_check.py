@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from zoo.contract.io_spec import IoSpec
 from zoo.export import runtime_sequence as runtime_check
+from support.contract_cases import lingbot_va_settings
 from support.modules import PoolWrite  # noqa: E402
 
 @pytest.fixture(scope="module")
@@ -90,8 +92,8 @@ def pool_run(tmp_path_factory):
              {"name": "pool", "dtype": "float32", "shape": [5, 4], "sampler": "normal"}]
     for name, scale in SCALES.items():
         torch.export.save(torch.export.export(PoolWrite(scale), (values, slots, pool)), str(d / f"exported.{name}.pt2"))
-    (d / "io_spec.json").write_text(json.dumps({"methods": {m: {"inputs": specs, "outputs": ["readout", "pool_next"]}
-                                                            for m in SCALES}, "dynamic": {}}))
+    (d / "io_spec.json").write_text(json.dumps({"format": 1, "dtype": "float32", "methods": {
+        m: {"inputs": specs, "outputs": ["readout", "pool_next"]} for m in SCALES}}))
     (d / "model.pte").write_bytes(b"stands in for the program; the fake runs exported.*.pt2")
     # a method that keeps no pool (LingBot-VA's VAE encodes) stays out of the sequence
     unit = SimpleNamespace(methods=["vae_encode", *SCALES], dtype="float32")
@@ -171,14 +173,15 @@ def test_the_latency_state_is_the_familys_device_state(check, tmp_path):
 
     script = check
     run = RunFolder(tmp_path)
-    run.write_host_settings({"policy_type": "lingbot_va", "vae": {"first_method": "vae_encode_first",
-                                                                  "step_method": "vae_encode", "cache": ["c0", "c1"]}})
-    named = lambda *names: [{"name": n} for n in names]  # noqa: E731
-    run.write_io_spec({"methods": {
+    settings = lingbot_va_settings()
+    settings.vae.cache = ["c0", "c1"]
+    run.write_host_settings(settings)
+    named = lambda *names: [{"name": n, "dtype": "float32", "shape": [1]} for n in names]  # noqa: E731
+    run.write_io_spec(IoSpec.from_json({"format": 1, "dtype": "float32", "methods": {
         "video_step": {"inputs": named("noisy_latents", "timesteps", "k_pool", "v_pool"),
                        "outputs": ["noise_pred", "k_pool_next", "v_pool_next"]},
         "vae_encode_first": {"inputs": named("frames"), "outputs": ["latent", "c0", "c1"]},
-        "vae_encode": {"inputs": named("frames", "c0", "c1"), "outputs": ["latent", "c0", "c1"]}}})
+        "vae_encode": {"inputs": named("frames", "c0", "c1"), "outputs": ["latent", "c0", "c1"]}}}, "io_spec.json"))
     assert script.state_positions(run, "video_step") == {"inputs": [2, 3], "outputs": [1, 2]}
     assert script.state_positions(run, "vae_encode_first") == {"inputs": [], "outputs": [1, 2]}
     assert script.state_positions(run, "vae_encode") == {"inputs": [1, 2], "outputs": [1, 2]}

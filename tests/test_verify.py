@@ -31,6 +31,8 @@ import zoo.export.lower.lowering as lowering
 import zoo.cli.export as export_cli
 import zoo.cli.lower as lower_cli
 import zoo.export.verify as verify
+from zoo.contract.host_settings import NoHostSettings
+from zoo.contract.io_spec import DynamicDim, IoSpec
 from zoo.core.errors import NoGpuError, RuntimeNotBuilt, VerificationFailed
 from zoo.export.stages import saved_programs
 from zoo.policies.base import InputSpec
@@ -154,9 +156,10 @@ def test_bf16_cosine_floor(ref32):
 
 def test_sizes_are_the_recipe_sizes_plus_the_bounds(tmp_path):
     recipe = load_recipe(str(_write_recipe_file(tmp_path, "verify-toy")))
-    cases = verify.size_cases({"dynamic": {"length": {"min": 2, "max": 16}}}, recipe)
+    cases = verify.size_cases(IoSpec("float32", {}, dynamic={"length": DynamicDim(2, 16)}), recipe)
     assert cases == [{"length": 2}, {"length": 5}, {"length": 16}]
-    two = verify.size_cases({"dynamic": {"length": {"min": 2, "max": 16}, "frames": {"min": 1, "max": 3}}}, recipe)
+    two = verify.size_cases(IoSpec("float32", {}, dynamic={"length": DynamicDim(2, 16), "frames": DynamicDim(1, 3)}),
+                            recipe)
     assert len(two) == 6 and {"length": 16, "frames": 3} in two
 
 
@@ -264,8 +267,9 @@ def run_folder(tmp_path_factory):
         folder.save_program(exported[name], "exported", name)
         folder.save_program(rewritten[name], "rewritten", name)
     (_write_recipe_file(run, "verify-toy")).rename(folder.recipe_file)
-    folder.write_io_spec({"dtype": "float32", "methods": IO, "dynamic": {"length": {"min": 2, "max": 16}}})
-    folder.write_host_settings({})  # synthetic units: nothing for a host to drive
+    folder.write_io_spec(IoSpec.from_json({"format": 1, "dtype": "float32", "methods": IO,
+                                           "dynamic": {"length": {"min": 2, "max": 16}}}, "io_spec.json"))
+    folder.write_host_settings(NoHostSettings())  # synthetic units: nothing for a host to drive
     fake = fake_cuda.FakeCudaCompile({})
     with pytest.MonkeyPatch.context() as mp:
         fake.install(mp)

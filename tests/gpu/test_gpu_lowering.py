@@ -129,6 +129,8 @@ def _recipe(name: str, methods, dtype: str, triton: str, seeds, sizes):
 
 def write_run(path: Path, recipe, exported: Dict, rewritten: Dict, io: Dict,
               reference_fp32: Optional[Dict] = None) -> Path:
+    from zoo.contract.host_settings import NoHostSettings
+    from zoo.contract.io_spec import IoSpec
     from zoo.contract.run_folder import RunFolder
 
     run = RunFolder(path)
@@ -139,8 +141,10 @@ def write_run(path: Path, recipe, exported: Dict, rewritten: Dict, io: Dict,
         if reference_fp32:
             run.save_program(reference_fp32[method], "reference_fp32", method)
     run.write_recipe(recipe)
-    run.write_io_spec({"methods": io, "dynamic": {d: {"min": r.min, "max": r.max} for d, r in recipe.dynamic.items()}})
-    run.write_host_settings({})  # synthetic units: nothing for a host to drive
+    dynamic = {d: {"min": r.min, "max": r.max} for d, r in recipe.dynamic.items()}
+    run.write_io_spec(IoSpec.from_json({"format": 1, "dtype": recipe.unit.dtype, "methods": io, "dynamic": dynamic},
+                                       "io_spec.json"))
+    run.write_host_settings(NoHostSettings())  # synthetic units: nothing for a host to drive
     return path
 
 

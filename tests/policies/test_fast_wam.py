@@ -128,7 +128,7 @@ def run_split(unit, latents, context, mask, proprio, noise) -> torch.Tensor:
     with torch.no_grad():
         video_k, video_v = prefill(latents, context, mask, proprio)
         x = noise
-        for t, d in zip(unit.host_settings["timesteps"], unit.host_settings["deltas"]):
+        for t, d in zip(unit.host_settings.timesteps, unit.host_settings.deltas):
             x = step(x, torch.tensor([t], dtype=dtype), torch.tensor([d], dtype=dtype), context, mask, proprio,
                      video_k, video_v)
     return x
@@ -214,7 +214,7 @@ def test_spec_and_host_settings(unit, split_unit, checkpoint):
     assert [s.name for s in split_unit.methods["action_step"].inputs] == [
         "noisy_actions", "timestep", "delta", "context", "context_mask", "proprio", "video_k", "video_v"]
 
-    hs = json.loads(json.dumps(unit.host_settings))  # JSON-ready
+    hs = json.loads(json.dumps(unit.host_settings.to_json()))  # JSON-ready
     assert hs["num_inference_steps"] == 10 and hs["effective_sigma_shift"] == 5.0
     assert hs["action_horizon"] == 32 and hs["action_dim"] == 7 and hs["proprio_dim"] == 8
     assert hs["image_size"] == [64, 128] and hs["video_grid"] == [1, 2, 4] and hs["context_len"] == 16

@@ -20,6 +20,7 @@ from huggingface_hub import snapshot_download  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from lerobot.policies.lingbot_va.utils import get_mesh_id  # noqa: E402
+from zoo.contract.host_settings import Guidance  # noqa: E402
 from zoo.core.errors import PullError, RecipeError, ZooError  # noqa: E402
 from zoo.export.hub_cache import folder_commit, hub_environment, put_in_cache  # noqa: E402
 from zoo.core.numerics import compare  # noqa: E402
@@ -239,15 +240,16 @@ def test_unit_shapes_and_host_settings_follow_the_checkpoint(units):
     unit = units["io"]
     # The recipe's four methods: the streaming VAE encode (first call, later calls) and one DiT step per stream.
     assert list(unit.methods) == ["vae_encode_first", "vae_encode", "video_step", "action_step"]
-    settings = json.loads(json.dumps(unit.host_settings))  # must be plain JSON
+    settings = unit.host_settings
+    json.dumps(settings.to_json())  # must be plain JSON
     # Tiny: 2 layers, CFG batch 2, pool = (attn_window // 2) * (32 video + 16 action tokens), 2 heads x 128.
-    assert settings["kv_pool"]["shape"] == [2, 2, 96, 1, 128]
-    assert settings["kv_pool"]["layout"] == "io"
-    assert (settings["video"]["num_inference_steps"], settings["action"]["num_inference_steps"]) == (20, 50)
-    assert (settings["video"]["snr_shift"], settings["action"]["snr_shift"]) == (5.0, 0.05)
-    assert settings["cfg"] == {"enabled": True, "rows": ["prompt", "negative_prompt"],
-                               "video_guidance_scale": 5.0, "action_guidance_scale": 1.0}
-    assert settings["action"]["used_action_channel_ids"] == list(range(7))
+    assert settings.kv_pool.shape == [2, 2, 96, 1, 128]
+    assert settings.kv_pool.layout == "io"
+    assert (settings.video.num_inference_steps, settings.action.num_inference_steps) == (20, 50)
+    assert (settings.video.snr_shift, settings.action.snr_shift) == (5.0, 0.05)
+    assert settings.cfg == Guidance(enabled=True, rows=["prompt", "negative_prompt"], video_guidance_scale=5.0,
+                                    action_guidance_scale=1.0)
+    assert settings.action.used_action_channel_ids == list(range(7))
     video = {s.name: s for s in unit.methods["video_step"].inputs}
     action = {s.name: s for s in unit.methods["action_step"].inputs}
     assert video["noisy_latents"].shape == [2, 48, 4, 4, 8]  # 64x64 per camera, two cameras side by side
@@ -312,9 +314,9 @@ def test_unit_matches_lerobot_stateful_calls_over_a_sequence(units, layout, requ
     unit = units[layout] if layout in units else request.getfixturevalue("two_head_unit")
     layout = layout.split(",")[0]
     eager = unit.reference()  # LeRobot's own transformer calls with its own KV cache
-    settings = unit.host_settings["kv_pool"]
-    alloc = HostSlotAllocator(settings["tokens"])
-    shape = settings["shape"]
+    pool = unit.host_settings.kv_pool
+    alloc = HostSlotAllocator(pool.tokens)
+    shape = pool.shape
     k_pool, v_pool = torch.zeros(shape), torch.zeros(shape)
     if layout == "buffer":
         _zero_pools(unit)
@@ -329,8 +331,8 @@ def test_unit_matches_lerobot_stateful_calls_over_a_sequence(units, layout, requ
         latents, timesteps, grid = _step_inputs(method, frame_st_id, g)
         ref = eager(method, latents, timesteps, grid, text, update)
         before = int(alloc.mask.sum())
-        per_step = "video_slots_per_step" if method == "video_step" else "action_slots_per_step"
-        slots, visible = alloc.begin(settings[per_step])
+        per_step = pool.video_slots_per_step if method == "video_step" else pool.action_slots_per_step
+        slots, visible = alloc.begin(per_step)
         evicted |= int(visible.sum()) < before
         module = unit.methods[method].module
         with torch.no_grad():
@@ -372,7 +374,7 @@ def test_bf16_unit_is_cast_as_lerobot_casts_and_matches_its_eager_calls(hub):
     assert specs == {"noisy_latents": "bfloat16", "timesteps": "float32", "grid_id": "int64", "text_emb": "bfloat16",
                      "slots": "int64", "visible": "bool", "k_pool": "bfloat16", "v_pool": "bfloat16"}
     alloc = HostSlotAllocator(96)
-    k_pool = torch.zeros(unit.host_settings["kv_pool"]["shape"], dtype=torch.bfloat16)
+    k_pool = torch.zeros(unit.host_settings.kv_pool.shape, dtype=torch.bfloat16)
     v_pool = torch.zeros_like(k_pool)
     g = torch.Generator().manual_seed(3)
     text = torch.randn(2, 16, 64, generator=g).bfloat16()

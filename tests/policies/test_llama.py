@@ -136,7 +136,7 @@ def test_unit_spec_and_host_side(unit, checkpoint):
     tok = tokens(unit, 256, seed=5)
     assert tok.dtype == torch.int64 and 0 <= int(tok.min()) and int(tok.max()) < 256
     assert method.module.freqs_cis.dtype == torch.complex64 and method.module.freqs_cis.shape == (256, 32)
-    assert unit.host_settings["vocab_size"] == 256 and unit.host_settings["max_seq_len"] == 256
+    assert unit.host_settings.vocab_size == 256 and unit.host_settings.max_seq_len == 256
     assert checkpoint / "generation_config.json" in unit.host_files
 
 

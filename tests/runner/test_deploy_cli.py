@@ -11,13 +11,15 @@ import torch
 from zoo.cli import deploy
 from zoo.__main__ import main
 from zoo.core.errors import RunnerError
+from zoo.contract.io_spec import IoSpec
 from zoo.contract.recipes import load_recipe
 from zoo.contract.run_folder import RunFolder
 from zoo.runner.observations import load_observation, save_observation, synthetic_observations
 
-SETTINGS = {"policy_type": "fastwam", "observation_features": {
-    "observation.state": {"type": "STATE", "shape": [8]},
-    "observation.images.image": {"type": "VISUAL", "shape": [3, 4, 6]}}}
+from support.contract_cases import fast_wam_settings, llama_settings
+
+# Its observation features: observation.state STATE [8], observation.images.image VISUAL [3, 4, 6].
+SETTINGS = fast_wam_settings()
 
 
 def test_synthetic_observations_are_drawn_as_documented():
@@ -48,12 +50,12 @@ def test_observation_file_round_trip_and_a_damaged_one(tmp_path):
 def test_act_on_a_run_the_runner_has_no_loop_for(tmp_path, capsys):
     run = RunFolder(tmp_path / "run")
     run.path.mkdir()
-    run.write_host_settings({"policy_type": "zoo_toy"})
-    run.write_io_spec({"dtype": "float32", "methods": {}})
+    run.write_host_settings(llama_settings())
+    run.write_io_spec(IoSpec(dtype="float32", methods={}))
     save_observation({"observation.state": torch.zeros(2)}, tmp_path / "obs.safetensors")
     assert main(["act", str(run.path), "--observation", str(tmp_path / "obs.safetensors")]) == 2
     err = capsys.readouterr().err
-    assert "no host loop for the policy" in err and "'zoo_toy'" in err and "fastwam, lingbot_va" in err
+    assert "no host loop for the policy" in err and "family 'llama'" in err and "fastwam, lingbot_va" in err
 
 
 def test_act_without_an_observation_says_how_to_make_one(tmp_path, capsys):

@@ -110,7 +110,7 @@ def broken_run(run_dir: Path, dest: Path) -> Path:
     """A copy of the run with one Euler delta of host_settings.json off by 1%."""
     shutil.copytree(run_dir, dest)
     settings = RunFolder(dest).read_host_settings()
-    settings["deltas"][3] *= 1.01
+    settings.deltas[3] *= 1.01
     RunFolder(dest).write_host_settings(settings)
     return dest
 
@@ -245,10 +245,10 @@ def test_the_state_the_host_loop_keeps_is_in_the_runs_signatures(run):
     from zoo.runner.backends import check_state
     from zoo.runner.fast_wam import FastWAMRunner
 
-    methods = RunFolder(run[0]).read_io_spec()["methods"]
+    methods = RunFolder(run[0]).read_io_spec().methods
     state = FastWAMRunner.device_state(RunFolder(run[0]).read_host_settings())
     check_state(state, methods)
     assert state == {"prefill": {"video_k": "video_k", "video_v": "video_v"}}
-    assert {"video_k", "video_v"} <= {s["name"] for s in methods["action_step"]["inputs"]}
+    assert {"video_k", "video_v"} <= {s.name for s in methods["action_step"].inputs}
     with pytest.raises(RunnerError, match="keeps output 'video_q' of 'prefill'"):
         check_state({"prefill": {"video_q": "video_k"}}, methods)

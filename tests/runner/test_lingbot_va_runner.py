@@ -89,7 +89,7 @@ def broken_run(run_dir, dest):
     """A copy of the run with one video sigma of host_settings.json off by 1%."""
     shutil.copytree(run_dir, dest)
     settings = RunFolder(dest).read_host_settings()
-    settings["scheduler"]["video"]["sigmas"][5] *= 1.01
+    settings.scheduler.video.sigmas[5] *= 1.01
     RunFolder(dest).write_host_settings(settings)
     return dest
 
@@ -141,13 +141,13 @@ def test_executorch_backend_keeps_the_kv_pool_and_vae_caches_in_the_runtime(run,
     lowered = tmp_path / "lowered"
     shutil.copytree(run[0], lowered)
     (lowered / "model.pte").write_bytes(b"stands in for the program; the fake runs exported.*.pt2")
-    io_spec = RunFolder(lowered).read_io_spec()["methods"]
-    planned = {m: {"inputs": [False] * len(io["inputs"]), "outputs": [False] * len(io["outputs"])}
+    io_spec = RunFolder(lowered).read_io_spec().methods
+    planned = {m: {"inputs": [False] * len(io.inputs), "outputs": [False] * len(io.outputs)}
                for m, io in io_spec.items()}
     RunFolder(lowered).write_runtime_requirement(lowering_requirement("1.2.0", planned).as_dict())
-    shapes = {name: tuple(spec["shape"]) for io in io_spec.values() for spec in io["inputs"]
-              for name in ("k_pool", "v_pool") if spec["name"] == name}
-    shapes.update({spec["name"]: tuple(spec["shape"]) for spec in io_spec["vae_encode"]["inputs"][1:]})
+    shapes = {name: tuple(spec.shape) for io in io_spec.values() for spec in io.inputs
+              for name in ("k_pool", "v_pool") if spec.name == name}
+    shapes.update({spec.name: tuple(spec.shape) for spec in io_spec["vae_encode"].inputs[1:]})
     written = []
     original = et_runtime.write_tensor
     monkeypatch.setattr(et_runtime, "write_tensor", lambda path, t: written.append(tuple(t.shape)) or original(path, t))

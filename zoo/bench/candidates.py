@@ -18,7 +18,7 @@ import torch
 from zoo.contract.artifact import PTD_NAME, PTE_NAME
 from zoo.core.errors import ZooError
 from zoo.core.numerics import compare
-from zoo.policies.base import InputSpec
+from zoo.contract.io_spec import InputSpec, IoSpec
 from zoo.contract.run_folder import RunFolder
 from zoo.runtimes.aoti import aoti_runner_factory, run_in_delegate_order, shipped_runners
 from zoo.bench.measuring import PeakMemory, measure, timer_for
@@ -126,11 +126,11 @@ def _time_case(run: RunFn, inputs_list, warmup: int, runs: int, timer, memory: P
 # Inputs
 
 
-def input_specs(io_spec: Dict[str, Any], method: str) -> List[InputSpec]:
-    entry = io_spec["methods"].get(method)
+def input_specs(io_spec: IoSpec, method: str) -> List[InputSpec]:
+    entry = io_spec.methods.get(method)
     if entry is None:
-        raise ZooError(f"io_spec.json has no method {method!r}", f"methods: {', '.join(io_spec['methods'])}")
-    return [InputSpec(**spec) for spec in entry["inputs"]]
+        raise ZooError(f"io_spec.json has no method {method!r}", f"methods: {', '.join(io_spec.methods)}")
+    return list(entry.inputs)
 
 
 def set_bytes(specs: Sequence[InputSpec], sizes: Dict[str, int]) -> int:
@@ -163,10 +163,10 @@ def draw_inputs(specs: Sequence[InputSpec], sizes: Dict[str, int], count: int, d
     return sets
 
 
-def size_cases(io_spec: Dict[str, Any], requested: Dict[str, List[int]]) -> List[Dict[str, int]]:
+def size_cases(io_spec: IoSpec, requested: Dict[str, List[int]]) -> List[Dict[str, int]]:
     """The export's example sizes, or each requested dynamic size (one dim varied at a time)."""
-    base = {k: int(v) for k, v in (io_spec.get("example_sizes") or {}).items()}
-    dynamic = io_spec.get("dynamic") or {}
+    base = dict(io_spec.example_sizes)
+    dynamic = io_spec.dynamic
     if not requested:
         return [base]
     cases = []
@@ -174,7 +174,7 @@ def size_cases(io_spec: Dict[str, Any], requested: Dict[str, List[int]]) -> List
         if dim not in dynamic:
             raise ZooError(f"--sizes names {dim!r}, which is not a dynamic dim of this run",
                            f"dynamic dims: {', '.join(dynamic) or 'none (the unit has static shapes)'}")
-        lo, hi = int(dynamic[dim]["min"]), int(dynamic[dim]["max"])
+        lo, hi = dynamic[dim].min, dynamic[dim].max
         for value in values:
             if not lo <= value <= hi:
                 raise ZooError(f"--sizes {dim}={value} is outside the range the artifact accepts [{lo}, {hi}]",

@@ -229,7 +229,7 @@ def time_candidates(family: str, recipe, run: RunFolder, checkpoint: Path, weigh
     """The runner, LeRobot eager and (unless ``--no-compile``) LeRobot torch.compile driven through the same
     seeded observations; their timings and the runner's distance from LeRobot eager go into ``record``."""
     settings = run.read_host_settings()
-    steps = RUNNERS[settings["policy_type"]].episode_steps(settings, args.chunks)
+    steps = RUNNERS[settings.policy_type].episode_steps(settings, args.chunks)
     observations = synthetic_observations(settings, steps, args.seed, recipe.policy_check.task)
     fam = policies.load_family(family)
     runner = load_runner(run, backend=args.backend, device=args.device)

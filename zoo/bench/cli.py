@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 from zoo.core.errors import EXIT_ERROR, EXIT_OK, NoGpuError, ZooError, exit_status_help
 from zoo.contract.artifact import so_file_name, weights_file_name
+from zoo.contract.io_spec import IoSpec
 from zoo.contract.run_folder import IO_SPEC_JSON, RunFolder
 from zoo.bench.candidates import (
     bench_method,
@@ -38,17 +38,14 @@ from zoo.bench.rotary import DEFAULT_CASES, parse_case, run_rotary
 # What the run folder already knows: its io spec, name, stage times and artifact sizes
 
 
-def load_io_spec(run_dir: Path) -> Dict[str, Any]:
+def load_io_spec(run_dir: Path) -> IoSpec:
     path = RunFolder(run_dir).io_spec_file
     if not Path(run_dir).is_dir():
         raise ZooError(f"run folder {run_dir} does not exist", "pass the folder `python -m zoo export` wrote")
     if not path.is_file():
         raise ZooError(f"{run_dir} has no {IO_SPEC_JSON}, so it is not a zoo run folder (or its export failed)",
                        "pass the folder `python -m zoo export RECIPE` wrote; report.md there says what failed")
-    try:
-        return json.loads(path.read_text())
-    except ValueError as exc:
-        raise ZooError(f"{path} is not valid JSON ({exc})", "export the run again") from None
+    return RunFolder(run_dir).read_io_spec()
 
 
 def run_name(run_dir: Path) -> str:
@@ -147,11 +144,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run_dir = Path(args.run_dir).expanduser()
     io_spec = load_io_spec(run_dir)
     device = resolve_device(args.device)
-    methods = args.methods.split(",") if args.methods else list(io_spec["methods"])
+    methods = args.methods.split(",") if args.methods else list(io_spec.methods)
     for m in methods:
         input_specs(io_spec, m)  # unknown names fail before anything is timed
     cases = size_cases(io_spec, parse_sizes(args.sizes))
-    dynamic = {"auto": True if io_spec.get("dynamic") else None, "true": True, "false": False}[args.compile_dynamic]
+    dynamic = {"auto": True if io_spec.dynamic else None, "true": True, "false": False}[args.compile_dynamic]
 
     result: Dict[str, Any] = {
         "format": FORMAT, "name": run_name(run_dir), "run_dir": str(run_dir), "environment": environment(device),
@@ -168,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         timed = bench_method(m, specs, cases, candidates, args.warmup, args.runs, device, args.input_sets,
                              profile=args.profile)
         result["methods"] += timed
-        carried = carried_state_cost(m, specs, io_spec["methods"][m].get("outputs") or [], timed, args.warmup,
+        carried = carried_state_cost(m, specs, io_spec.methods[m].outputs, timed, args.warmup,
                                      args.runs, device, args.input_sets)
         if carried:
             result.setdefault("carried_state", []).extend(carried)

@@ -7,8 +7,8 @@ through ``RunFolder``:
 
     recipe.yaml            the resolved recipe (overrides applied)
     source.json            repo id, revision, resolved commit, local path
-    io_spec.json           per method: inputs (InputSpec dicts), output names; dynamic dims; example sizes
-    host_settings.json     what the host drives the artifact with (steps, shifts, guidance, slots)
+    io_spec.json           per method: inputs, output names; dynamic dims; example sizes (zoo.contract.io_spec)
+    host_settings.json     what the host drives the artifact with (zoo.contract.host_settings)
     processors/            the policy's normalisation processors (and tokenizer files)
     prompts/               prompt embeddings (`python -m zoo prompt`), one safetensors file per task text
     exported.<m>.pt2       the program torch.export returned (complex values and all): the eager reference
@@ -49,6 +49,8 @@ from torch.export import ExportedProgram
 
 from zoo.core import atomic
 from zoo.contract.artifact import PTD_NAME, PTE_NAME, so_file_name, weights_file_name
+from zoo.contract.host_settings import HostSettings, host_settings_from_json
+from zoo.contract.io_spec import IoSpec
 from zoo.core.errors import ExportError, LoweringError, StorageError, ZooError, storage_error
 from zoo.core.progress import say
 from zoo.contract.recipes import load_recipe
@@ -286,11 +288,12 @@ class RunFolder:
     def write_source(self, source: Dict[str, Any]) -> Path:
         return atomic.write_json(self.source_file, source)
 
-    def write_io_spec(self, io_spec: Dict[str, Any]) -> Path:
-        return atomic.write_json(self.io_spec_file, io_spec)
+    def write_io_spec(self, io_spec: IoSpec) -> Path:
+        return atomic.write_json(self.io_spec_file, io_spec.to_json())
 
-    def read_io_spec(self) -> Dict[str, Any]:
-        return self._read_json(self.io_spec_file)
+    def read_io_spec(self) -> IoSpec:
+        """``io_spec.json`` as an ``IoSpec``; a ``ContractError`` for a format this zoo does not read."""
+        return IoSpec.from_json(self._read_json(self.io_spec_file), str(self.io_spec_file))
 
     def write_runtime_requirement(self, requirement: Dict[str, Any]) -> Path:
         return atomic.write_json(self.runtime_file, requirement)
@@ -299,11 +302,13 @@ class RunFolder:
         """``runtime.json`` as written by lowering; None for a run lowered before zoo wrote it."""
         return self._read_json(self.runtime_file) if self.runtime_file.is_file() else None
 
-    def write_host_settings(self, settings: Dict[str, Any]) -> Path:
-        return atomic.write_json(self.host_settings_file, settings)
+    def write_host_settings(self, settings: HostSettings) -> Path:
+        return atomic.write_json(self.host_settings_file, settings.to_json())
 
-    def read_host_settings(self) -> Dict[str, Any]:
-        return self._read_json(self.host_settings_file)
+    def read_host_settings(self) -> HostSettings:
+        """``host_settings.json`` as its family's dataclass; a ``ContractError`` for a format this zoo does not
+        read."""
+        return host_settings_from_json(self._read_json(self.host_settings_file), str(self.host_settings_file))
 
     def _read_json(self, path: Path) -> Dict[str, Any]:
         """A JSON file the export wrote; a missing or damaged one is a clear error naming the folder."""

@@ -97,6 +97,10 @@ class PublishRefused(ZooError):
     """zoo refuses to publish: unverified run, hash mismatch, no token, no write access."""
 
 
+class ContractError(ZooError):
+    """A run folder's io_spec.json or host_settings.json is of a format this zoo does not read, or malformed."""
+
+
 class TensorFileError(ZooError):
     """A tensor file exchanged with the C++ runner is missing, cut short or not in zoo's format."""
 

@@ -30,6 +30,7 @@ from zoo.export.policy_check import not_applicable, policy_check_step, record_sk
 from zoo.core.progress import run_log, say
 from zoo.core.report import FINISHED, RunReport, record_failure, timed_stage
 from zoo.rewrites.result import source_line
+from zoo.contract.io_spec import DynamicDim, IoSpec
 from zoo.contract.run_folder import ARTIFACT_OUTPUTS, RECIPE_YAML, Attempt, Placement, RunFolder
 from zoo.export.verify_runtimes import choose_runtimes
 
@@ -383,14 +384,11 @@ def complex_leftovers(ep: ExportedProgram) -> List[str]:
     return found
 
 
-def io_spec(unit: ExportUnit, recipe) -> Dict[str, Any]:
+def io_spec(unit: ExportUnit, recipe) -> IoSpec:
     """What a deploy side (and zoo.lower/verify without lerobot) needs to feed each method."""
-    return {
-        "dtype": recipe.unit.dtype,
-        "methods": unit.io_spec(),
-        "dynamic": {d: {"min": int(r.min), "max": int(r.max)} for d, r in recipe.dynamic.items()},
-        "example_sizes": exporting.example_sizes(recipe),
-    }
+    return IoSpec(dtype=recipe.unit.dtype, methods=unit.io_spec(),
+                  dynamic={d: DynamicDim(min=int(r.min), max=int(r.max)) for d, r in recipe.dynamic.items()},
+                  example_sizes=exporting.example_sizes(recipe))
 
 
 def _as_record(result: Any) -> Any:

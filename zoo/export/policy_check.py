@@ -93,7 +93,7 @@ def checkpoint_in_reach(recipe) -> Iterator[Path]:
 def episode(run: RunFolder, recipe) -> List[dict]:
     """The observation sequence both sides get: enough for ``policy_check.chunks`` chunks and one more action."""
     settings = run.read_host_settings()
-    runner_class = RUNNERS[settings["policy_type"]]
+    runner_class = RUNNERS[settings.policy_type]
     check = recipe.policy_check
     return synthetic_observations(settings, runner_class.episode_steps(settings, check.chunks), check.seed, check.task)
 

@@ -21,7 +21,7 @@ import torch
 from zoo.runtimes import executorch as et_runtime
 from zoo.export import verify
 from zoo.contract.artifact import io_memory_planning
-from zoo.policies.base import InputSpec
+from zoo.contract.host_settings import NoHostSettings
 from zoo.contract.run_folder import RunFolder
 from zoo.runner.loading import RUNNERS
 from zoo.contract.releases import requirement_for
@@ -80,13 +80,12 @@ def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str 
     """video_step/action_step alternating, each call's ``X_next`` outputs fed to the next call's ``X`` inputs,
     in one zoo_runner process; the exported programs run eagerly with the same feeding are the reference."""
     io_spec = run.read_io_spec()
-    per_method = io_spec.get("methods", io_spec)
     # the methods that share the pool, alternating; the recipe's other methods (the VAE encodes) keep no pool
     methods = [m for m in methods if m in recipe.unit.methods]
     if len(methods) < 2:
         return {"skipped": f"{recipe.name}: not both of {', '.join(POOL_METHODS)} among its methods"}
-    specs = {m: [InputSpec(**d) for d in per_method[m]["inputs"]] for m in methods}
-    outputs = {m: list(per_method[m]["outputs"]) for m in methods}
+    specs = {m: list(io_spec.methods[m].inputs) for m in methods}
+    outputs = {m: list(io_spec.methods[m].outputs) for m in methods}
     # input i of method m takes the previous call's output named "<input name>_next" (k_pool <- k_pool_next)
     stateful = {m: [i for i, spec in enumerate(specs[m]) if spec.name + "_next" in outputs[m]] for m in methods}
     if not all(stateful.values()):
@@ -164,13 +163,13 @@ def _state_crossing(result: Any) -> Dict[str, Any]:
 def state_positions(run: RunFolder, method: str) -> Dict[str, List[int]]:
     """The inputs and outputs of ``method`` that are state (the family's ``device_state``): an output kept for a
     later call, an input fed from one (the input named as the slot it is kept under)."""
-    settings = run.read_host_settings() if run.host_settings_file.exists() else {}
-    family = RUNNERS.get(settings.get("policy_type"))
+    settings = run.read_host_settings() if run.host_settings_file.exists() else NoHostSettings()
+    family = RUNNERS.get(settings.policy_type)
     state = family.device_state(settings) if family else {}
-    io = run.read_io_spec()["methods"][method]
+    io = run.read_io_spec().methods[method]
     slots = {slot for outs in state.values() for slot in outs.values()}
-    return {"inputs": [i for i, spec in enumerate(io["inputs"]) if spec["name"] in slots],
-            "outputs": [k for k, name in enumerate(io["outputs"]) if name in state.get(method, {})]}
+    return {"inputs": [i for i, spec in enumerate(io.inputs) if spec.name in slots],
+            "outputs": [k for k, name in enumerate(io.outputs) if name in state.get(method, {})]}
 
 
 # How a timed call gets its inputs and leaves its outputs (gpu_runtime_check's --latency): every input on the GPU and

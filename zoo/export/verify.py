@@ -41,7 +41,7 @@ from zoo.core import numerics
 from zoo.runtimes.aoti import RunnerFactory, aoti_runner_factory, run_in_delegate_order, shipped_runners
 from zoo.contract.artifact import io_memory_planning
 from zoo.core.errors import NoGpuError, RuntimeCallFailed, VerificationFailed, first_line
-from zoo.policies.base import InputSpec
+from zoo.contract.io_spec import InputSpec, IoSpec
 from zoo.core.progress import say, steps
 from zoo.core.report import format_table
 from zoo.contract.run_folder import IO_SPEC_JSON, RunFolder, read_program
@@ -196,10 +196,11 @@ def _sizes_text(sizes: Dict[str, int]) -> str:
 # --- inputs and sizes --------------------------------------------------------------------------------------------
 
 
-def size_cases(io_spec: Dict[str, Any], recipe) -> List[Dict[str, int]]:
-    """Every combination of the sizes to verify at: ``verify.sizes`` plus each dynamic dim's min and max."""
-    dynamic = io_spec.get("dynamic") or {d: {"min": r.min, "max": r.max} for d, r in recipe.dynamic.items()}
-    per_dim = {dim: sorted(set(list(recipe.verify.sizes.get(dim, [])) + [int(rng["min"]), int(rng["max"])]))
+def size_cases(io_spec: IoSpec, recipe) -> List[Dict[str, int]]:
+    """Every combination of the sizes to verify at: ``verify.sizes`` plus each dynamic dim's min and max (the
+    ranges the artifact was lowered with, from io_spec.json)."""
+    dynamic = io_spec.dynamic
+    per_dim = {dim: sorted(set(list(recipe.verify.sizes.get(dim, [])) + [rng.min, rng.max]))
                for dim, rng in dynamic.items()}
     names = list(per_dim)
     return [dict(zip(names, combo)) for combo in itertools.product(*(per_dim[n] for n in names))]
@@ -340,14 +341,13 @@ def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional
         raise VerificationFailed(f"{run.io_spec_file} is missing: zoo cannot draw inputs for the methods",
                                  "the export step writes it; export the recipe again")
     io_spec = run.read_io_spec()
-    per_method = io_spec.get("methods", io_spec)  # {"methods": {...}, "dynamic": ...} or methods at the top
     methods = list(recipe.unit.methods)
-    missing = [m for m in methods if m not in per_method]
+    missing = [m for m in methods if m not in io_spec.methods]
     if missing:
         raise VerificationFailed(f"{IO_SPEC_JSON} has no entry for method(s) {', '.join(missing)}",
                                  "the run folder does not belong to this recipe; export again")
-    specs = {m: [InputSpec(**d) for d in per_method[m]["inputs"]] for m in methods}
-    output_names = {m: list(per_method[m].get("outputs", [])) for m in methods}
+    specs = {m: list(io_spec.methods[m].inputs) for m in methods}
+    output_names = {m: list(io_spec.methods[m].outputs) for m in methods}
     low_precision = recipe.unit.dtype == "bfloat16"
     cases = size_cases(io_spec, recipe)
     if not run.pte.exists():

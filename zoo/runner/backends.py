@@ -30,6 +30,7 @@ from torch.export.passes import move_to_device_pass
 from torch.utils import _pytree as pytree
 
 from zoo.contract.artifact import io_memory_planning
+from zoo.contract.io_spec import IoSpec, MethodIo
 from zoo.core.errors import RunnerError
 from zoo.runtimes.executorch import DeviceValue, RuntimeSession
 from zoo.core.progress import warn
@@ -50,21 +51,21 @@ class Backend:
     def __init__(self, run: RunFolder, device: str):
         self.run = run
         self.device = torch.device(device)
-        self.io_spec: Dict[str, Any] = run.read_io_spec()
+        self.io_spec: IoSpec = run.read_io_spec()
 
     def methods(self) -> List[str]:
-        return list(self.io_spec.get("methods", {}))
+        return list(self.io_spec.methods)
 
     def keep_state(self, state: DeviceState) -> None:
         """The outputs the family feeds back into later calls; a backend that can keeps them where they are."""
-        check_state(state, self.io_spec.get("methods", {}))
+        check_state(state, self.io_spec.methods)
 
     def zeros(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> Any:
         """Zero-filled state to start with (a KV pool), under the name the family feeds it back as."""
         return torch.zeros(list(shape), dtype=dtype, device=self.device)
 
-    def method_io(self, method: str) -> Dict[str, Any]:
-        methods = self.io_spec.get("methods", {})
+    def method_io(self, method: str) -> MethodIo:
+        methods = self.io_spec.methods
         if method not in methods:
             raise RunnerError(f"the run in {self.run.path} has no method {method!r} (it has "
                               f"{', '.join(methods) or 'none'})", "export the recipe with that method in unit.methods")
@@ -72,7 +73,7 @@ class Backend:
 
     def _ordered(self, method: str, inputs: Dict[str, Any]) -> List[Any]:
         io = self.method_io(method)
-        names = [spec["name"] for spec in io["inputs"]]
+        names = [spec.name for spec in io.inputs]
         missing = [n for n in names if n not in inputs]
         extra = sorted(set(inputs) - set(names))
         if missing or extra:
@@ -84,10 +85,10 @@ class Backend:
         io = self.method_io(method)
         args = [t.to(self.device) for t in self._ordered(method, inputs)]
         outs = self._run(method, args)
-        if len(outs) != len(io["outputs"]):
+        if len(outs) != len(io.outputs):
             raise RunnerError(f"method {method!r} returned {len(outs)} outputs, io_spec.json names "
-                              f"{len(io['outputs'])}", "export and lower the run again")
-        return dict(zip(io["outputs"], outs))
+                              f"{len(io.outputs)}", "export and lower the run again")
+        return dict(zip(io.outputs, outs))
 
     def _run(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
         raise NotImplementedError
@@ -165,15 +166,15 @@ class ArtifactBackend(Backend):
         self.close()
 
 
-def check_state(state: DeviceState, methods: Dict[str, Any]) -> None:
+def check_state(state: DeviceState, methods: Dict[str, MethodIo]) -> None:
     """Each kept output is an output of its method, and each name it is kept under is an input of some method
     (the one it is fed back to); a method the run does not have is skipped (an optional method)."""
-    inputs = {spec["name"] for io in methods.values() for spec in io["inputs"]}
+    inputs = {spec.name for io in methods.values() for spec in io.inputs}
     for method, outs in state.items():
         if method not in methods:
             continue
         for output, name in outs.items():
-            if output not in methods[method]["outputs"] or name not in inputs:
+            if output not in methods[method].outputs or name not in inputs:
                 raise RunnerError(f"the host loop keeps output {output!r} of {method!r} as {name!r}, but the run's "
                                   f"io_spec.json has no such {'output' if name in inputs else 'input'}",
                                   "this is a zoo.runner bug: the family's device_state and io_spec.json disagree")
@@ -210,7 +211,7 @@ class ExecuTorchBackend(Backend):
 
     def call(self, method: str, **inputs: Any) -> Dict[str, Any]:
         io = self.method_io(method)
-        outputs = list(io["outputs"])
+        outputs = list(io.outputs)
         kept = self.state.get(method, {})
         keep = {k: kept[name] for k, name in enumerate(outputs) if name in kept}
         outs = self.session.call(method, self._ordered(method, inputs), keep=keep)
@@ -232,7 +233,7 @@ def make_backend(name: str, run: RunFolder, device: str, et_runner: Optional[str
     if name == "eager":
         return EagerBackend(run, device)
     if name == "artifact":
-        return ArtifactBackend(run, device, list(run.read_io_spec().get("methods", {})))
+        return ArtifactBackend(run, device, list(run.read_io_spec().methods))
     if name == "executorch":
-        return ExecuTorchBackend(run, device, list(run.read_io_spec().get("methods", {})), executable=et_runner)
+        return ExecuTorchBackend(run, device, list(run.read_io_spec().methods), executable=et_runner)
     raise RunnerError(f"unknown runner backend {name!r}", f"use one of: {', '.join(BACKENDS)}")

@@ -19,6 +19,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 from zoo.core.errors import RunnerError
+from zoo.contract.host_settings import HostSettings
 from zoo.contract.run_folder import RunFolder
 from zoo.runner.backends import Backend
 from zoo.runner.processors import load_processors
@@ -40,7 +41,7 @@ class PolicyRunner:
         self.backend = backend
         self.device = backend.device
         self.settings = run.read_host_settings()
-        self.dtype = getattr(torch, str(backend.io_spec.get("dtype") or self.settings.get("dtype") or "float32"))
+        self.dtype = getattr(torch, backend.io_spec.dtype)
         self.preprocessor, self.postprocessor = load_processors(run, str(self.device))
         self.apply_processors = bool(processors)
         self.prompts: Dict[str, PromptEmbedding] = {}
@@ -116,13 +117,13 @@ class PolicyRunner:
     # --- family hooks ----------------------------------------------------------------------------------------
 
     @classmethod
-    def device_state(cls, settings: Dict[str, Any]) -> Dict[str, Dict[str, str]]:
+    def device_state(cls, settings: HostSettings) -> Dict[str, Dict[str, str]]:
         """The outputs this host loop feeds back into later calls, ``{method: {output: name}}``, each under the
         name of the input it goes back to: a backend keeps them where the runtime left them (the GPU)."""
         return {}
 
     @classmethod
-    def episode_steps(cls, settings: Dict[str, Any], chunks: int) -> int:
+    def episode_steps(cls, settings: HostSettings, chunks: int) -> int:
         """How many ``select_action`` calls an episode takes to predict ``chunks`` whole action chunks and
         start one more (so the last chunk's feedback, where a policy has one, runs too)."""
         raise NotImplementedError

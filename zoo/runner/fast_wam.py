@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from zoo.contract.host_settings import FastWAMHostSettings
 from zoo.core.errors import RunnerError
 from zoo.runner.base import Batch, PolicyRunner
 from zoo.runner.processors import OBS_IMAGES_PREFIX, OBS_STATE
@@ -25,30 +26,31 @@ class FastWAMRunner(PolicyRunner):
     family = "fast_wam"
 
     @classmethod
-    def device_state(cls, settings: Dict[str, Any]) -> Dict[str, Dict[str, str]]:
+    def device_state(cls, settings: FastWAMHostSettings) -> Dict[str, Dict[str, str]]:
         # The prefill's video K/V, read by every action step of the chunk.
         return {"prefill": {"video_k": "video_k", "video_v": "video_v"}}
 
     @classmethod
-    def episode_steps(cls, settings: Dict[str, Any], chunks: int) -> int:
-        return int(chunks) * int(settings["n_action_steps"]) + 1  # every chunk is n_action_steps long
+    def episode_steps(cls, settings: FastWAMHostSettings, chunks: int) -> int:
+        return int(chunks) * settings.n_action_steps + 1  # every chunk is n_action_steps long
 
     def _configure(self) -> None:
-        s, run = self.settings, self.run
-        self.horizon = int(s["action_horizon"])
-        self.n_action_steps = int(s["n_action_steps"])
-        self.action_dim = int(s["action_dim"])
-        self.image_size = tuple(int(x) for x in s["image_size"])
-        self.layout = s["layout"]
-        self.vae_method = s.get("vae_method")
+        s: FastWAMHostSettings = self.settings
+        run = self.run
+        self.horizon = s.action_horizon
+        self.n_action_steps = s.n_action_steps
+        self.action_dim = s.action_dim
+        self.image_size = tuple(s.image_size)
+        self.layout = s.layout
+        self.vae_method = s.vae_method
         if not self.vae_method:
             raise RunnerError(f"the run in {run.path} has no vae_encode method, so the first frame's VAE latent "
                               "would need PyTorch model code on this side",
                               "export the recipe with unit.methods starting with vae_encode")
         # The schedule the export computed with LeRobot's scheduler, already cast to the unit's dtype.
-        self.timesteps = [float(t) for t in s["timesteps"]]
-        self.deltas = [float(d) for d in s["deltas"]]
-        self.noise = dict(s["noise"])
+        self.timesteps = list(s.timesteps)
+        self.deltas = list(s.deltas)
+        self.noise = s.noise
 
     # --- LeRobot's FastWAMPolicy -----------------------------------------------------------------------------
 
@@ -107,10 +109,10 @@ class FastWAMRunner(PolicyRunner):
     def _noise(self, batch: Batch) -> torch.Tensor:
         """``_make_action_latents``: float32 normal noise from ``Generator(rand_device).manual_seed(seed)`` (or
         the global generator when the seed is None), then cast to the model's dtype."""
-        seed = _scalar(batch.get("seed", self.noise["seed"]))
-        rand_device = batch.get("rand_device", self.noise["generator_device"])
+        seed = _scalar(batch.get("seed", self.noise.seed))
+        rand_device = batch.get("rand_device", self.noise.generator_device)
         generator = None if seed is None else torch.Generator(device=rand_device).manual_seed(int(seed))
-        noise = torch.randn(tuple(self.noise["shape"]), generator=generator, device=rand_device, dtype=torch.float32)
+        noise = torch.randn(tuple(self.noise.shape), generator=generator, device=rand_device, dtype=torch.float32)
         return noise.to(device=self.device, dtype=self.dtype)
 
     def _context(self, batch: Batch, index: int, size: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +145,7 @@ class FastWAMRunner(PolicyRunner):
     def _refuse_unsupported(self, batch: Batch) -> None:
         """Per-call options LeRobot reads from the batch (mf:299-314) that would need another export."""
         steps, shift = batch.get("num_inference_steps"), batch.get("sigma_shift")
-        exported_steps, exported_shift = self.settings["num_inference_steps"], self.settings["effective_sigma_shift"]
+        exported_steps, exported_shift = self.settings.num_inference_steps, self.settings.effective_sigma_shift
         if (steps is not None and int(_scalar(steps)) != int(exported_steps)) or \
                 (shift is not None and float(_scalar(shift)) != float(exported_shift)):
             raise RunnerError(f"this artifact was exported for {exported_steps} steps at shift {exported_shift}; the "
@@ -163,7 +165,7 @@ class FastWAMRunner(PolicyRunner):
             keys = sorted(k for k in batch if k.startswith(OBS_IMAGES_PREFIX) and not k.endswith("_is_pad"))
             if not keys:
                 raise RunnerError("the batch has no camera image (observation.images.*, video or input_image)",
-                                  f"expected cameras: {', '.join(self.settings.get('image_features', {}))}")
+                                  f"expected cameras: {', '.join(self.settings.image_features)}")
             per_cam = (self.image_size[0], self.image_size[1] // len(keys))
             frames = [self._resize(batch[k], per_cam) for k in keys]
             image = torch.cat(frames, dim=-1) if len(frames) > 1 else frames[0]
@@ -191,8 +193,9 @@ class FastWAMRunner(PolicyRunner):
             return frames
         lead = frames.shape[:-3]
         flat = frames.reshape(-1, *frames.shape[-3:])
-        resize = self.settings.get("image_resize") or {"mode": "bilinear", "align_corners": False, "antialias": True}
-        flat = F.interpolate(flat, size=tuple(size), **resize)
+        resize = self.settings.image_resize
+        flat = F.interpolate(flat, size=tuple(size), mode=resize.mode, align_corners=resize.align_corners,
+                             antialias=resize.antialias)
         return flat.reshape(*lead, *flat.shape[-3:])
 
 

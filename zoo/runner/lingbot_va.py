@@ -19,11 +19,12 @@ The DiT steps and the VAE encode are methods of the artifact; UMT5 is a prompt e
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from zoo.contract.host_settings import LingBotVAHostSettings, ScheduleTables
 from zoo.core.errors import RunnerError
 from zoo.runner.slots import HostSlotAllocator
 from zoo.runner.base import Batch, PolicyRunner
@@ -34,66 +35,65 @@ class LingBotVARunner(PolicyRunner):
     family = "lingbot_va"
 
     @classmethod
-    def device_state(cls, settings: Dict[str, Any]) -> Dict[str, Dict[str, str]]:
+    def device_state(cls, settings: LingBotVAHostSettings) -> Dict[str, Dict[str, str]]:
         # The KV pool goes from every DiT call to the next (k_pool_next -> k_pool), the causal caches from every
         # VAE call to the next (each cache output has its input's name).
         pool = {"k_pool_next": "k_pool", "v_pool_next": "v_pool"}
         state = {"video_step": dict(pool), "action_step": dict(pool)}
-        vae = settings.get("vae")
+        vae = settings.vae
         if vae:
-            caches = {name: name for name in vae["cache"]}
-            state.update({vae["first_method"]: dict(caches), vae["step_method"]: dict(caches)})
+            caches = {name: name for name in vae.cache}
+            state.update({vae.first_method: dict(caches), vae.step_method: dict(caches)})
         return state
 
     @classmethod
-    def episode_steps(cls, settings: Dict[str, Any], chunks: int) -> int:
+    def episode_steps(cls, settings: LingBotVAHostSettings, chunks: int) -> int:
         # The first chunk drops its conditioning frame's actions ((F - 1) x apf), later ones are F x apf long.
-        frames, apf = int(settings["frame_chunk_size"]), int(settings["action"]["action_per_frame"])
+        frames, apf = settings.frame_chunk_size, settings.action.action_per_frame
         return (frames - 1) * apf + (int(chunks) - 1) * frames * apf + 1
 
     def _configure(self) -> None:
-        s = self.settings
-        if "vae" not in s:
+        s: LingBotVAHostSettings = self.settings
+        if s.vae is None:
             raise RunnerError(f"the run in {self.run.path} has no streaming VAE methods, so encoding observations "
                               "would need PyTorch model code on this side",
                               "export the recipe with vae_encode_first and vae_encode in unit.methods")
-        pool = s["kv_pool"]
-        if pool["layout"] != "io":
-            raise RunnerError(f"kv_pool layout {pool['layout']!r}: each method of the artifact keeps its own pool, "
+        pool = s.kv_pool
+        if pool.layout != "io":
+            raise RunnerError(f"kv_pool layout {pool.layout!r}: each method of the artifact keeps its own pool, "
                               "so action_step would not see video_step's K/V",
                               "export with lowering.kv_pool=io (the pool passed in and returned)")
-        cams = s["cameras"]
-        if cams["layout"] != "width_concat":
-            raise RunnerError(f"camera layout {cams['layout']!r} is not supported by zoo.runner yet",
+        cams = s.cameras
+        if cams.layout != "width_concat":
+            raise RunnerError(f"camera layout {cams.layout!r} is not supported by zoo.runner yet",
                               "only width_concat (cameras side by side) is reproduced")
-        self.frames = int(s["frame_chunk_size"])
-        self.apf = int(s["action"]["action_per_frame"])
-        self.action_dim = int(s["action"]["action_dim"])
-        self.used = list(s["action"]["used_action_channel_ids"])
-        self.chunk_size = int(s["chunk_size"])
-        self.patch = [int(p) for p in s["video"]["patch_size"]]
-        _, _, self.latent_h, self.latent_w = (int(x) for x in s["video"]["latent_shape"])
-        self.exec_step = int(s["video"]["exec_step"])
-        self.use_cfg = bool(s["cfg"]["enabled"])
-        self.video_scale = float(s["cfg"]["video_guidance_scale"])
-        self.action_scale = float(s["cfg"]["action_guidance_scale"])
-        self.batch = int(s["batch"])
-        tables = s["scheduler"]
-        self.video_sched = _Scheduler(tables["video"])
-        self.action_sched = _Scheduler(tables["action"])
-        self.cam_keys = list(cams["keys"])
-        self.size = (int(cams["height"]), int(cams["width"]))
-        self.hflip = bool(cams["image_hflip"])
-        vae = s["vae"]
-        self.vae_first, self.vae_step = vae["first_method"], vae["step_method"]
-        self.vae_frames = int(vae["frames_per_call"])
-        self.vae_cache_names = list(vae["cache"])
-        self.keyframe_stride = int(vae["keyframe_stride"])
-        self.pool_shape = list(pool["shape"])
-        self.video_tokens = int(pool["video_slots_per_step"])
-        self.action_tokens = int(pool["action_slots_per_step"])
-        self.allocator = HostSlotAllocator(int(pool["tokens"]))
-        self.noise_shapes = (tuple(s["noise"]["video_shape"]), tuple(s["noise"]["action_shape"]))
+        self.frames = s.frame_chunk_size
+        self.apf = s.action.action_per_frame
+        self.action_dim = s.action.action_dim
+        self.used = list(s.action.used_action_channel_ids)
+        self.chunk_size = s.chunk_size
+        self.patch = list(s.video.patch_size)
+        _, _, self.latent_h, self.latent_w = s.video.latent_shape
+        self.exec_step = s.video.exec_step
+        self.use_cfg = s.cfg.enabled
+        self.video_scale = s.cfg.video_guidance_scale
+        self.action_scale = s.cfg.action_guidance_scale
+        self.batch = s.batch
+        self.video_sched = _Scheduler(s.scheduler.video)
+        self.action_sched = _Scheduler(s.scheduler.action)
+        self.cam_keys = list(cams.keys)
+        self.size = (cams.height, cams.width)
+        self.hflip = cams.image_hflip
+        vae = s.vae
+        self.vae_first, self.vae_step = vae.first_method, vae.step_method
+        self.vae_frames = vae.frames_per_call
+        self.vae_cache_names = list(vae.cache)
+        self.keyframe_stride = vae.keyframe_stride
+        self.pool_shape = list(pool.shape)
+        self.video_tokens = pool.video_slots_per_step
+        self.action_tokens = pool.action_slots_per_step
+        self.allocator = HostSlotAllocator(pool.tokens)
+        self.noise_shapes = (tuple(s.noise.video_shape), tuple(s.noise.action_shape))
         mask = torch.zeros([self.action_dim], dtype=torch.bool)  # m:701-705
         mask[self.used] = True
         self.action_mask = mask
@@ -347,9 +347,9 @@ class LingBotVARunner(PolicyRunner):
 class _Scheduler:
     """``FlowMatchScheduler.step`` (u:257-267) over the float32 tables ``set_timesteps`` made at export."""
 
-    def __init__(self, tables: Dict[str, Any]):
-        self.sigmas = torch.tensor(tables["sigmas"], dtype=torch.float32)
-        self.timesteps = torch.tensor(tables["timesteps"], dtype=torch.float32)
+    def __init__(self, tables: ScheduleTables):
+        self.sigmas = torch.tensor(tables.sigmas, dtype=torch.float32)
+        self.timesteps = torch.tensor(tables.timesteps, dtype=torch.float32)
 
     def step(self, model_output: torch.Tensor, timestep: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
         if isinstance(timestep, torch.Tensor):

@@ -64,12 +64,11 @@ def load(source: Union[str, Path, RunFolder], backend: str = "eager", device: Op
     """
     run = resolve(source)
     settings = run.read_host_settings()
-    kind = settings.get("policy_type")
+    kind = settings.policy_type
     if kind not in RUNNERS:
         known = ", ".join(sorted(RUNNERS))
-        raise RunnerError(f"zoo.runner has no host loop for the policy in {run.path} (policy_type {kind!r})",
-                          f"the runner drives these policy types: {known}" if kind else
-                          "the run names no policy_type in host_settings.json: export it again with this zoo")
+        raise RunnerError(f"zoo.runner has no host loop for the policy in {run.path} (family {settings.family!r}, "
+                          f"policy_type {kind!r})", f"the runner drives these policy types: {known}")
     if device is None:
         device = {"artifact": "cuda", "executorch": "cuda" if torch.cuda.is_available() else "cpu"}.get(backend, "cpu")
     return RUNNERS[kind](run, make_backend(backend, run, device, et_runner=str(et_runner) if et_runner else None),

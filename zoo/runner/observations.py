@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from zoo.contract.host_settings import HostSettings, ObservationFeature
 from zoo.core import atomic
 from zoo.core.errors import RunnerError
 
@@ -33,16 +34,18 @@ TASK = "task"
 Batch = Dict[str, Any]
 
 
-def observation_features(settings: Mapping[str, Any]) -> Dict[str, Dict[str, Any]]:
-    """``{key: {"type": "VISUAL"|"STATE"|..., "shape": [...]}}``: what the policy reads, from host_settings."""
-    features = settings.get("observation_features")
+def observation_features(settings: HostSettings) -> Dict[str, ObservationFeature]:
+    """What the policy reads (``{key: ObservationFeature(type, shape)}``, in key order), from host_settings."""
+    # Only the LeRobot families' settings have the field: a language model or a synthetic unit reads no batch.
+    features = getattr(settings, "observation_features", None)
     if not features:
-        raise RunnerError("host_settings.json names no observation_features (the policy's input features)",
-                          "export the run again with this zoo")
-    return {k: dict(v) for k, v in sorted(features.items())}
+        raise RunnerError(f"the run's host settings (family {settings.family!r}) name no observation_features (the "
+                          "policy's input features)", "the policy check and synthetic observations need a LeRobot "
+                                                       "policy's run (Fast-WAM, LingBot-VA)")
+    return dict(sorted(features.items()))
 
 
-def synthetic_observations(settings: Mapping[str, Any], count: int, seed: int, task: str) -> List[Batch]:
+def synthetic_observations(settings: HostSettings, count: int, seed: int, task: str) -> List[Batch]:
     """``count`` seeded observations shaped as the policy's input features (see the module's docstring)."""
     features = observation_features(settings)
     g = torch.Generator().manual_seed(int(seed))
@@ -50,8 +53,8 @@ def synthetic_observations(settings: Mapping[str, Any], count: int, seed: int, t
     for _ in range(count):
         obs: Batch = {}
         for key, feature in features.items():
-            shape = [int(s) for s in feature["shape"]]
-            draw = torch.rand if feature.get("type") == "VISUAL" else torch.randn
+            shape = list(feature.shape)
+            draw = torch.rand if feature.type == "VISUAL" else torch.randn
             obs[key] = draw(shape, generator=g, dtype=torch.float32)
         obs[TASK] = task
         steps.append(obs)

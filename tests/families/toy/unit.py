@@ -168,4 +168,4 @@ def build_unit(checkpoint_dir: Path, recipe) -> ExportUnit:
                                  InputSpec("slots", "int64", [2], f"randperm:{slots}")], ["pool_sum"]),
             "read": MethodSpec("read", ToyRead(module), [InputSpec("q", float_dtype, [3, dim])], ["out"]),
         }
-    return ExportUnit(family="toy", methods=methods, host_settings={"steps": 4, "shift": 1.5}, host_files=files)
+    return ExportUnit(family="toy", methods=methods, host_files=files)  # no host loop: NoHostSettings

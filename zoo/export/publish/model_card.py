@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
+from zoo.contract.host_settings import HostSettings, host_settings_record
+from zoo.contract.io_spec import IoSpec, MethodIo
 from zoo.contract.run_folder import SOURCE_JSON
 from zoo.core.report import markdown_table
 from zoo.export.publish.card_results import (audit_rows, audit_section, chunk_latency_section, gpu_words,
@@ -186,46 +188,47 @@ def _runner_section(manifest: Mapping[str, Any], repo_id: str) -> List[str]:
             "obs.safetensors --prompt task.safetensors --backend artifact` prints one action chunk.", ""]
 
 
-def io_methods(io_spec: Mapping[str, Any]) -> Mapping[str, Any]:
-    """Per-method inputs and outputs of io_spec.json (``{"methods": {name: {"inputs", "outputs"}}, ...}``)."""
-    methods = io_spec.get("methods")
-    return methods if isinstance(methods, Mapping) else {}
+def io_methods(io_spec: Optional[IoSpec]) -> Dict[str, MethodIo]:
+    """Per-method inputs and outputs of io_spec.json; none when the card is rendered without one."""
+    return dict(io_spec.methods) if io_spec is not None else {}
 
 
-def _computes_section(manifest: Mapping[str, Any], io_spec: Mapping[str, Any], note: Mapping[str, str]) -> List[str]:
+def _computes_section(manifest: Mapping[str, Any], io_spec: Optional[IoSpec], note: Mapping[str, str]) -> List[str]:
     recipe = manifest.get("recipe") or {}
     out = ["## What the artifact computes", ""]
     if recipe.get("description"):
         out += [recipe["description"], ""]
     if note:
-        dtype = io_spec.get("dtype") or (recipe.get("unit") or {}).get("dtype", "float32")
+        dtype = io_spec.dtype if io_spec is not None else (recipe.get("unit") or {}).get("dtype", "float32")
         out += [f"The artifact is {note['computes']}, compiled for the GPU with ExecuTorch's CUDA backend "
                 f"(AOTInductor). Compute dtype: `{dtype}`.", ""]
     table = [["method", "inputs (name: dtype shape)", "outputs"]]
     for method, spec in io_methods(io_spec).items():
-        inputs = "<br>".join(f"`{i['name']}`: {i['dtype']} {_shape(i['shape'])}" for i in spec.get("inputs", []))
-        table.append([f"`{method}`", inputs, ", ".join(f"`{o}`" for o in spec.get("outputs", []))])
+        inputs = "<br>".join(f"`{i.name}`: {i.dtype} {_shape(i.shape)}" for i in spec.inputs)
+        table.append([f"`{method}`", inputs, ", ".join(f"`{o}`" for o in spec.outputs)])
     out += [markdown_table(table), ""]
-    dynamic = io_spec.get("dynamic") or recipe.get("dynamic") or {}
+    dynamic = ({k: (v.min, v.max) for k, v in io_spec.dynamic.items()} if io_spec is not None else
+               {k: (v["min"], v["max"]) for k, v in (recipe.get("dynamic") or {}).items()})
     if dynamic:
         out += ["Dynamic dimensions (any size in the range is accepted): "
-                + ", ".join(f"`{k}` in [{v['min']}, {v['max']}]" for k, v in dynamic.items()) + ".", ""]
+                + ", ".join(f"`{k}` in [{lo}, {hi}]" for k, (lo, hi) in dynamic.items()) + ".", ""]
     if note:
         out += [note["outputs"], ""]
     return out
 
 
-def _host_section(host_settings: Mapping[str, Any], processors: List[str], note: Mapping[str, str]) -> List[str]:
+def _host_section(host_settings: HostSettings, processors: List[str], note: Mapping[str, str]) -> List[str]:
     out = ["## What stays on the host", ""]
     if note:
         out.append(f"Not in the artifact: {note['host']}.")
     out += ["The deploy side drives the artifact with these settings (`host_settings.json`):", ""]
-    if host_settings:
+    record = host_settings_record(host_settings)
+    if record:
         out += [markdown_table([["setting", "value"]]
-                               + [[f"`{k}`", f"`{json.dumps(v)}`"] for k, v in host_settings.items()]), ""]
+                               + [[f"`{k}`", f"`{json.dumps(v)}`"] for k, v in record.items()]), ""]
     else:
-        out += ["none (`host_settings.json` is empty): the artifact needs nothing from the host besides its inputs.",
-                ""]
+        out += ["none (`host_settings.json` names no host loop): the artifact needs nothing from the host besides "
+                "its inputs.", ""]
     if processors:
         out += ["The policy's normalisation processors, copied unchanged from the source checkpoint: "
                 + ", ".join(f"`{p}`" for p in processors) + ".", ""]
@@ -252,7 +255,7 @@ def runtime_ref(manifest: Mapping[str, Any]) -> Dict[str, Any]:
     return {"ref": ref, "release": version, "loadable": True}
 
 
-def _run_section(manifest: Mapping[str, Any], repo_id: str, io_spec: Mapping[str, Any]) -> List[str]:
+def _run_section(manifest: Mapping[str, Any], repo_id: str, io_spec: Optional[IoSpec]) -> List[str]:
     runtime = runtime_ref(manifest)
     exported = str((manifest.get("versions") or {}).get("executorch") or "?").split("+")[0]
     methods = list(io_methods(io_spec))
@@ -352,9 +355,10 @@ UNVERIFIED_BANNER = ("> **Unverified preview.** This card was rendered by `pytho
                      "(`python -m zoo lower RUN_DIR` on a CUDA machine).")
 
 
-def render_card(manifest: Mapping[str, Any], io_spec: Mapping[str, Any], host_settings: Mapping[str, Any],
+def render_card(manifest: Mapping[str, Any], io_spec: Optional[IoSpec], host_settings: HostSettings,
                 repo_id: str) -> str:
-    """The whole README.md: Hub metadata header, then what it is, where it runs, how well, how to run it."""
+    """The whole README.md: Hub metadata header, then what it is, where it runs, how well, how to run it.
+    ``io_spec`` None: the methods are not listed (the manifest's recipe gives the dtype and dynamic dims)."""
     from huggingface_hub import ModelCardData
 
     recipe = manifest.get("recipe") or {}

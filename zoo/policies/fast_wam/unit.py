@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -18,12 +18,13 @@ from lerobot.policies.fastwam.configuration_fastwam import FastWAMConfig
 from lerobot.policies.fastwam.wan import WanVideoVAE38
 from lerobot.policies.fastwam.wan.components import WAN22_DIFFUSERS_MODEL_ID
 
+from zoo.contract.host_settings import FastWAMHostSettings, FastWAMNoise, ImageResize
 from zoo.contract.recipes import Recipe
 from zoo.core.errors import ExportError, PullError
 from zoo.policies.base import ExportUnit, InputSpec, MethodSpec, feature_record
 from zoo.policies.fast_wam.checkpoint import fabricate_checkpoint, write_tokenizer, write_wan_components
 from zoo.policies.fast_wam.loading import load_policy
-from zoo.policies.fast_wam.recipe import FAMILY, POLICY_TYPE, VAE_METHOD, Options, parse_options
+from zoo.policies.fast_wam.recipe import FAMILY, VAE_METHOD, Options, parse_options
 from zoo.policies.fast_wam.reference import InferActionReference, embed_prompt, lerobot_policy
 from zoo.policies.fast_wam.steps import (FastWAMActionChunk, FastWAMActionStep, FastWAMPrefill, FastWAMUnitBase,
                                          FastWAMVaeEncode)
@@ -171,44 +172,41 @@ def _methods(fw: nn.Module, opts: Options, s: _Sizes) -> Dict[str, MethodSpec]:
 
 
 def _host_settings(fw: nn.Module, config: FastWAMConfig, opts: Options, s: _Sizes,
-                   dit_method: FastWAMUnitBase) -> Dict[str, Any]:
-    """host_settings.json: what the deploy side needs to drive the methods, and what they have baked in."""
+                   dit_method: FastWAMUnitBase) -> FastWAMHostSettings:
+    """host_settings.json: what the deploy side needs to drive the methods, and what they have baked in
+    (docs/host-loops.md describes the loop)."""
     timesteps, deltas = dit_method.schedule(getattr(torch, s.dtype))
-    return {
-        "policy_type": POLICY_TYPE,
-        "layout": opts.layout,
-        "num_inference_steps": s.steps,
-        "sigma_shift": s.shift,
-        "effective_sigma_shift": float(s.shift if s.shift is not None else fw.infer_action_scheduler.shift),
+    return FastWAMHostSettings(
+        layout=opts.layout,
+        num_inference_steps=s.steps,
+        sigma_shift=s.shift,
+        effective_sigma_shift=float(s.shift if s.shift is not None else fw.infer_action_scheduler.shift),
         # What the host feeds action_step, in order (split layout), and what action_chunk has baked in.
-        "timesteps": [float(t) for t in timesteps.tolist()],
-        "deltas": [float(d) for d in deltas.tolist()],
-        "action_horizon": s.horizon,
-        "n_action_steps": int(config.n_action_steps),
-        "action_dim": s.action_dim,
-        "proprio_dim": s.proprio_dim,
-        "image_size": list(s.image),
+        timesteps=[float(t) for t in timesteps.tolist()],
+        deltas=[float(d) for d in deltas.tolist()],
+        action_horizon=s.horizon,
+        n_action_steps=int(config.n_action_steps),
+        action_dim=s.action_dim,
+        proprio_dim=s.proprio_dim,
+        image_size=list(s.image),
         # What the policy reads from an observation batch (its config's input_features): the runner's
         # observation keys, and what the policy check draws its synthetic observations from.
-        "observation_features": feature_record(config.input_features),
-        "image_features": {k: list(v.shape) for k, v in sorted(config.image_features.items())},
-        "image_layout": "cameras resized and concatenated on width in sorted key order, pixels in [0, 1]; "
-                        "the VAE input is 2 * image - 1",
+        observation_features=feature_record(config.input_features),
+        image_features={k: list(v.shape) for k, v in sorted(config.image_features.items())},
         # The model's own input resize (modeling_fastwam._resize_frames), applied when a camera is not at size.
-        "image_resize": {"mode": "bilinear", "align_corners": False, "antialias": True},
-        "vae_method": VAE_METHOD if opts.with_vae else None,
-        "first_frame_latent_shape": s.latent_shape,
-        "video_grid": list(s.grid),
-        "context_len": s.context_len,
-        "text_dim": s.text_dim,
-        "prompt_template": config.prompt_template,
-        "tokenizer_model_id": config.tokenizer_model_id,
-        "tokenizer_max_len": int(config.tokenizer_max_len),
-        "text_encoder_model_id": config.text_encoder_model_id,
-        "vae_model_id": WAN22_DIFFUSERS_MODEL_ID,
-        "noise": {"shape": [1, s.horizon, s.action_dim], "dtype": "float32", "generator_device": config.rand_device,
-                  "seed": config.inference_seed, "cast_to": s.dtype},
-        "normalization_mapping": {k: getattr(v, "value", str(v)) for k, v in config.normalization_mapping.items()},
-        "toggle_action_dimensions": list(config.toggle_action_dimensions),
-        "outputs": "normalised actions [1, horizon, action_dim]; unnormalise with the postprocessor",
-    }
+        image_resize=ImageResize(mode="bilinear", align_corners=False, antialias=True),
+        vae_method=VAE_METHOD if opts.with_vae else None,
+        first_frame_latent_shape=s.latent_shape,
+        video_grid=list(s.grid),
+        context_len=s.context_len,
+        text_dim=s.text_dim,
+        prompt_template=config.prompt_template,
+        tokenizer_model_id=config.tokenizer_model_id,
+        tokenizer_max_len=int(config.tokenizer_max_len),
+        text_encoder_model_id=config.text_encoder_model_id,
+        vae_model_id=WAN22_DIFFUSERS_MODEL_ID,
+        noise=FastWAMNoise(shape=[1, s.horizon, s.action_dim], dtype="float32", generator_device=config.rand_device,
+                           seed=config.inference_seed, cast_to=s.dtype),
+        normalization_mapping={k: getattr(v, "value", str(v)) for k, v in config.normalization_mapping.items()},
+        toggle_action_dimensions=list(config.toggle_action_dimensions),
+    )

@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
+from zoo.contract.host_settings import (ActionStream, Cameras, Guidance, KvPool, LingBotNoise, LingBotVAHostSettings,
+                                        ScheduleTables, Scheduler, StreamingVae, TextEncoder, VideoStream)
 from zoo.contract.recipes import Recipe
 from zoo.core.errors import ExportError, PullError
 from zoo.policies.base import ExportUnit, InputSpec, MethodSpec, feature_record
@@ -22,7 +24,7 @@ from zoo.policies.lingbot_va import vae as vae_stream
 from zoo.policies.lingbot_va.checkpoint import fabricate_checkpoint, fabricated_config, save_frozen_repo
 from zoo.policies.lingbot_va.loading import load_policy
 from zoo.policies.lingbot_va.pool import PoolStep, zero_pools
-from zoo.policies.lingbot_va.recipe import DIT_METHODS, FAMILY, POLICY_TYPE, VAE_METHODS, validate_recipe
+from zoo.policies.lingbot_va.recipe import DIT_METHODS, FAMILY, VAE_METHODS, validate_recipe
 from zoo.policies.lingbot_va.reference import LeRobotSteps, embed_prompt, float32_reference_noise, lerobot_policy
 from zoo.policies.tiny_wan import Z_DIM
 
@@ -112,140 +114,82 @@ def _method_inputs(method: str, policy: LingBotVAPolicy, layout: _Layout, dtype:
     return specs
 
 
-def _host_settings(policy: LingBotVAPolicy, layout: _Layout, recipe: Recipe) -> Dict[str, Any]:
+def _host_settings(policy: LingBotVAPolicy, layout: _Layout, recipe: Recipe,
+                   vae: Optional[StreamingVae]) -> LingBotVAHostSettings:
+    """What zoo.runner's LingBot-VA loop needs (docs/host-loops.md describes the loop)."""
     cfg = policy.config
-    kv_pool = recipe.lowering.kv_pool
-    return {
-        "policy_type": POLICY_TYPE,
-        "dtype": recipe.unit.dtype,
-        "kv_pool": {
-            "layout": kv_pool,
-            "shape": list(layout.pool),  # [layers, batch, tokens, heads, head_dim], zero-initialised
-            "tokens": layout.pool_tokens,
-            "video_slots_per_step": layout.video_tokens,
-            "action_slots_per_step": layout.action_tokens,
-            "protocol": (
-                "Per call, pick `slots` (distinct pool indices, one per new token) and pass `visible` (bool "
-                "[tokens]: slots holding K/V of earlier committed steps); the unit writes the step's K/V at `slots` "
-                "and attends over visible slots plus its own. update_cache (LeRobot's meaning: 0 denoising step, "
-                "1 last denoising step, 2 KV feedback of observed frames/executed actions) is a host decision: "
-                "1 or 2 marks `slots` visible for later calls, 0 leaves them invisible. "
-                + ("With layout 'io' keep the returned k_pool_next/v_pool_next as the pool for the next call "
-                   "(after an update_cache=0 step they differ only in invisible slots, so dropping them is "
-                   "equally correct). " if kv_pool == "io" else
-                   "With layout 'buffer' each method of the .pte owns its own copy of the pool; video_step's "
-                   "writes are not seen by action_step unless the runtime shares the constants. ")
-                + "Slot choice and eviction: zoo.runner.slots.HostSlotAllocator mirrors LeRobot."
-            ),
-        },
-        "batch": layout.batch,
-        "cfg": {
-            "enabled": bool(policy._use_cfg),
-            # _repeat_input_for_cfg: row 0 is the prompt, row 1 the empty (negative) prompt; the guided
-            # prediction is pred[1] + scale * (pred[0] - pred[1]) when scale > 1, else pred[0].
-            "rows": ["prompt", "negative_prompt"] if policy._use_cfg else ["prompt"],
-            "video_guidance_scale": cfg.guidance_scale,
-            "action_guidance_scale": cfg.action_guidance_scale,
-        },
-        "video": {
-            "num_inference_steps": cfg.num_inference_steps,
-            "snr_shift": cfg.snr_shift,
-            "exec_step": cfg.video_exec_step,
-            "latent_shape": [LATENT_CHANNELS, layout.frames, layout.latent_h, layout.latent_w],
-            "patch_size": list(cfg.patch_size),
-            "tokens_per_step": layout.video_tokens,
-        },
-        "action": {
-            "num_inference_steps": cfg.action_num_inference_steps,
-            "snr_shift": cfg.action_snr_shift,
-            "action_dim": cfg.action_dim,
-            "used_action_channel_ids": list(cfg.used_action_channel_ids),
-            "action_per_frame": cfg.action_per_frame,
-            "tokens_per_step": layout.action_tokens,
-        },
-        "scheduler": _scheduler_settings(policy),
+    return LingBotVAHostSettings(
+        dtype=recipe.unit.dtype,
+        kv_pool=KvPool(layout=recipe.lowering.kv_pool, shape=list(layout.pool), tokens=layout.pool_tokens,
+                       video_slots_per_step=layout.video_tokens, action_slots_per_step=layout.action_tokens),
+        batch=layout.batch,
+        # _repeat_input_for_cfg: row 0 is the prompt, row 1 the empty (negative) prompt; the guided
+        # prediction is pred[1] + scale * (pred[0] - pred[1]) when scale > 1, else pred[0].
+        cfg=Guidance(enabled=bool(policy._use_cfg),
+                     rows=["prompt", "negative_prompt"] if policy._use_cfg else ["prompt"],
+                     video_guidance_scale=cfg.guidance_scale, action_guidance_scale=cfg.action_guidance_scale),
+        video=VideoStream(num_inference_steps=cfg.num_inference_steps, snr_shift=cfg.snr_shift,
+                          exec_step=cfg.video_exec_step,
+                          latent_shape=[LATENT_CHANNELS, layout.frames, layout.latent_h, layout.latent_w],
+                          patch_size=list(cfg.patch_size), tokens_per_step=layout.video_tokens),
+        action=ActionStream(num_inference_steps=cfg.action_num_inference_steps, snr_shift=cfg.action_snr_shift,
+                            action_dim=cfg.action_dim, used_action_channel_ids=list(cfg.used_action_channel_ids),
+                            action_per_frame=cfg.action_per_frame, tokens_per_step=layout.action_tokens),
+        scheduler=_scheduler_settings(policy),
         # _infer (modeling_lingbot_va.py:756-759) draws both per chunk from the global generator, on the
         # policy's device, directly in the model dtype: the video latents first, then the actions.
-        "noise": {"generator": "global", "dtype": recipe.unit.dtype,
-                  "video_shape": [1, LATENT_CHANNELS, layout.frames, layout.latent_h, layout.latent_w],
-                  "action_shape": [1, cfg.action_dim, layout.frames, cfg.action_per_frame, 1]},
-        # What LingBotVAPolicy._infer / _prepare_latent_input do around the unit calls (modeling_lingbot_va.py).
-        "host_loop": [
-            "video: for each t of the schedule plus a final t=0, call video_step with timesteps=t for every "
-            "latent frame and grid_id=get_mesh_id(F, h // 2, w // 2, 0, 1, frame_st_id) (patch 1x2x2); the final "
-            "call commits (update_cache=1)",
-            "first chunk: latent frame 0 is the encoded observation with timestep 0, re-imposed after each update",
-            "action: the same with action_step, grid_id=get_mesh_id(F, action_per_frame, 1, 1, 1, frame_st_id, "
-            "action=True), channels outside used_action_channel_ids zeroed before each call; on the first chunk "
-            "action frame 0 is zeros with timestep 0",
-            "next chunk: clear prediction slots, then feed back the observed latents and executed actions with "
-            "update_cache=2 (t=0), frame_st_id advancing by frame_chunk_size",
-        ],
-        "frame_chunk_size": cfg.frame_chunk_size,
-        "chunk_size": cfg.chunk_size,
-        "attn_window": cfg.attn_window,
-        "text": {
-            "max_sequence_length": layout.text_len,
-            "text_dim": cfg.text_dim,
-            "frozen_components": cfg.wan_pretrained_path,  # vae/, text_encoder/ (UMT5), tokenizer/
-        },
+        noise=LingBotNoise(generator="global", dtype=recipe.unit.dtype,
+                           video_shape=[1, LATENT_CHANNELS, layout.frames, layout.latent_h, layout.latent_w],
+                           action_shape=[1, cfg.action_dim, layout.frames, cfg.action_per_frame, 1]),
+        frame_chunk_size=cfg.frame_chunk_size,
+        chunk_size=cfg.chunk_size,
+        attn_window=cfg.attn_window,
+        text=TextEncoder(max_sequence_length=layout.text_len, text_dim=cfg.text_dim,
+                         frozen_components=cfg.wan_pretrained_path),
         # What the policy reads from an observation batch (its config's input_features): the runner's
         # observation keys, and what the policy check draws its synthetic observations from.
-        "observation_features": feature_record(cfg.input_features),
-        "cameras": {
-            "keys": list(cfg.obs_cam_keys),
-            "layout": cfg.camera_layout,
-            "height": cfg.height,
-            "width": cfg.width,
-            "image_hflip": cfg.image_hflip,
-        },
-    }
+        observation_features=feature_record(cfg.input_features),
+        cameras=Cameras(keys=list(cfg.obs_cam_keys), layout=cfg.camera_layout, height=cfg.height, width=cfg.width,
+                        image_hflip=cfg.image_hflip),
+        vae=vae,
+    )
 
 
-def _scheduler_settings(policy: LingBotVAPolicy) -> Dict[str, Any]:
-    """The flow-matching schedulers LingBotVAPolicy.reset builds (one per stream), read off the objects."""
+def _scheduler_settings(policy: LingBotVAPolicy) -> Scheduler:
+    """The flow-matching schedulers LingBotVAPolicy.reset builds (one per stream, LeRobot's FlowMatchScheduler),
+    read off the objects."""
     video, action = policy._scheduler, policy._action_scheduler
-    return {
-        "kind": "FlowMatchScheduler (lerobot.policies.lingbot_va.utils)",
-        "num_train_timesteps": video.num_train_timesteps,
-        "sigma_min": video.sigma_min,
-        "sigma_max": video.sigma_max,
-        "extra_one_step": video.extra_one_step,
-        "video_shift": video.shift,
-        "action_shift": action.shift,
+    return Scheduler(
+        num_train_timesteps=video.num_train_timesteps, sigma_min=video.sigma_min, sigma_max=video.sigma_max,
+        extra_one_step=video.extra_one_step, video_shift=video.shift, action_shift=action.shift,
         # _infer pads each stream's schedule with one t=0 step; that last call is the one that commits
         # (update_cache=1), and its prediction is not used for an update.
-        "append_zero_step": True,
+        append_zero_step=True,
         # The tables _infer steps with (set_timesteps(num_inference_steps) on each scheduler), float32 values:
         # FlowMatchScheduler.step takes sigma[i] and sigma[i + 1] (0 after the last) at argmin |timesteps - t|.
-        "video": _scheduler_tables(video, policy.config.num_inference_steps),
-        "action": _scheduler_tables(action, policy.config.action_num_inference_steps),
-    }
+        video=_scheduler_tables(video, policy.config.num_inference_steps),
+        action=_scheduler_tables(action, policy.config.action_num_inference_steps),
+    )
 
 
-def _scheduler_tables(scheduler: Any, steps: int) -> Dict[str, List[float]]:
+def _scheduler_tables(scheduler: Any, steps: int) -> ScheduleTables:
     import copy
 
     scheduler = copy.deepcopy(scheduler)  # the policy's own instance keeps its state
     scheduler.set_timesteps(steps)
-    return {"sigmas": [float(x) for x in scheduler.sigmas.tolist()],
-            "timesteps": [float(x) for x in scheduler.timesteps.tolist()]}
+    return ScheduleTables(sigmas=[float(x) for x in scheduler.sigmas.tolist()],
+                          timesteps=[float(x) for x in scheduler.timesteps.tolist()])
 
 
-def _vae_settings(policy: LingBotVAPolicy, methods: Dict[str, MethodSpec]) -> Dict[str, Any]:
+def _vae_settings(policy: LingBotVAPolicy, methods: Dict[str, MethodSpec]) -> StreamingVae:
     """What the host does around the streaming VAE methods (modeling_lingbot_va.py:526-576)."""
-    cfg = policy.config
-    return {
-        "first_method": vae_stream.FIRST_METHOD,
-        "step_method": vae_stream.STEP_METHOD,
-        "frames_per_call": vae_stream.FRAMES_PER_CALL,
-        "cache": [s.name for s in methods[vae_stream.STEP_METHOD].inputs[1:]],
+    return StreamingVae(
+        first_method=vae_stream.FIRST_METHOD, step_method=vae_stream.STEP_METHOD,
+        frames_per_call=vae_stream.FRAMES_PER_CALL,
+        cache=[s.name for s in methods[vae_stream.STEP_METHOD].inputs[1:]],
         # select_action buffers an observation every keyframe_stride executed actions (reset(), :167).
-        "keyframe_stride": max(1, cfg.action_per_frame // 4),
-        "frames": ("_camera_frame per camera in obs_cam_keys order: float32, hflip if image_hflip, bilinear resize "
-                   "(align_corners=False) to height x width, 2 * x - 1, to the model dtype; cameras stacked on the "
-                   "batch axis, frames on the time axis"),
-    }
+        keyframe_stride=max(1, policy.config.action_per_frame // 4),
+    )
 
 
 def _host_files(checkpoint_dir: Path) -> List[Path]:
@@ -313,8 +257,6 @@ def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
         methods[name] = MethodSpec(name=name, module=module,
                                    inputs=_method_inputs(name, policy, layout, dtype, kv_pool),
                                    output_names=outputs)
-    settings = _host_settings(policy, layout, recipe)
-    if vae:
-        settings["vae"] = _vae_settings(policy, vae)
+    settings = _host_settings(policy, layout, recipe, _vae_settings(policy, vae) if vae else None)
     return ExportUnit(family=FAMILY, methods=methods, host_settings=settings,
                       host_files=_host_files(checkpoint_dir), reference=lambda: LeRobotSteps(policy))

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.core.errors import PullError, RecipeError
+from zoo.contract.host_settings import LlamaHostSettings
 from zoo.contract.recipes import Recipe
 from zoo.policies.base import ExportUnit, InputSpec, MethodSpec
 
@@ -416,15 +417,9 @@ def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
         inputs=[InputSpec("tokens", "int64", [1, SEQ_DIM], f"randint:0:{args.vocab_size}")],
         output_names=["logits"],
     )
-    host_settings = {
-        "task": "causal language model, prefill: next-token logits at every position, no KV cache",
-        "vocab_size": args.vocab_size,
-        "max_seq_len": max_seq,
-        "logits_dtype": "float32",
-        "bos_token_id": config.get("bos_token_id"),
-        "eos_token_id": config.get("eos_token_id"),
-        "rope_theta": args.rope_theta,
-    }
+    host_settings = LlamaHostSettings(vocab_size=args.vocab_size, max_seq_len=max_seq, logits_dtype="float32",
+                                      bos_token_id=config.get("bos_token_id"), eos_token_id=config.get("eos_token_id"),
+                                      rope_theta=args.rope_theta)
     host_files = [checkpoint_dir / n for n in HOST_FILE_NAMES if (checkpoint_dir / n).is_file()]
     return ExportUnit(family=FAMILY, methods={METHOD: method}, host_settings=host_settings,
                       host_files=host_files, reference=transformers_reference(checkpoint_dir, dtype))
