@@ -30,7 +30,7 @@ from zoo.policies.fast_wam.steps import (FastWAMActionChunk, FastWAMActionStep, 
                                          FastWAMVaeEncode)
 
 # The family contract (zoo/policies/__init__.py) and what the real-size scripts call on the family module
-# (scripts/bench_chunk.py builds its stand-in Wan2.2 repos from the fabrication's own pieces).
+# (benchmarks/bench_chunk.py builds its stand-in Wan2.2 repos from the fabrication's own pieces).
 __all__ = ["build_unit", "check_recipe", "fabricate_checkpoint", "lerobot_policy", "embed_prompt", "load_policy",
            "parse_options", "WAN22_DIFFUSERS_MODEL_ID"]
 _write_tokenizer = write_tokenizer

@@ -32,7 +32,7 @@ from zoo.policies.tiny_wan import Z_DIM
 from lerobot.policies.lingbot_va import LingBotVAPolicy
 
 # The family contract (zoo/policies/__init__.py), the policy check's noise hook, and what the real-size scripts
-# call on the family module (scripts/bench_chunk.py, bench_real_size.py, lowering_levers.py).
+# call on the family module (benchmarks/bench_chunk.py, bench_real_size.py).
 __all__ = ["build_unit", "check_recipe", "fabricate_checkpoint", "lerobot_policy", "embed_prompt",
            "float32_reference_noise", "load_policy", "DIT_METHODS"]
 _validate_recipe = validate_recipe
