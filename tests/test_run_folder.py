@@ -15,7 +15,8 @@ from zoo.core.errors import LoweringError, ZooError
 from zoo.core.report import RunReport
 from zoo.contract.host_settings import NoHostSettings
 from zoo.contract.io_spec import IoSpec, MethodIo
-from zoo.contract.run_folder import Attempt, RunFolder
+from zoo.contract.attempt import Attempt
+from zoo.contract.run_folder import RunFolder
 
 ROOT = Path(__file__).resolve().parent.parent
 

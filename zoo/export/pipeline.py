@@ -1,6 +1,6 @@
 """The whole line on one run report: ``run_pipeline`` (``python -m zoo.export``: pull, build, export, rewrite, CPU
 check, save, policy check, then the GPU steps of ``zoo.export.stages``) and ``lower_run`` (``python -m zoo lower
-RUN_DIR``: the GPU steps on a saved run). Each is one ``run_folder.Attempt``, staged beside the run and put in place
+RUN_DIR``: the GPU steps on a saved run). Each is one ``zoo.contract.attempt.Attempt``, staged beside the run and put in place
 only when it got at least as far (docs/ARCHITECTURE.md, "The run folder").
 """
 
@@ -31,7 +31,8 @@ from zoo.core.progress import run_log, say
 from zoo.core.report import FINISHED, RunReport, record_failure, timed_stage
 from zoo.rewrites.result import source_line
 from zoo.contract.io_spec import DynamicDim, IoSpec
-from zoo.contract.run_folder import ARTIFACT_OUTPUTS, RECIPE_YAML, Attempt, Placement, RunFolder
+from zoo.contract.attempt import Attempt, Placement
+from zoo.contract.run_folder import ARTIFACT_OUTPUTS, RECIPE_YAML, RunFolder
 from zoo.export.verify_runtimes import choose_runtimes
 
 NO_GPU_DETAIL = "needs a CUDA GPU; this machine has none"
