@@ -1,30 +1,13 @@
-"""Verification of the shipped artifact: each method's ``.so`` + weights blob, taken out of the written
-``model.pte`` / ``aoti_cuda_blob.ptd``, run on the GPU against the exported program run eagerly.
-
-For every seed and every size combination (the recipe's ``verify.sizes`` plus each dynamic dim's bounds),
-fresh inputs are drawn from ``io_spec.json``. The reference is ``exported.<method>.pt2`` as exported (complex
-values and all: complex128 eager is the reference for float64 pairs), run eagerly on the same device. The
-``.so`` gets its inputs in the delegate's order and its outputs are put back in the method's order
-(``so/<method>.io.json``). Stateful methods keep their runner and their eager module across calls, called in
-the same order. Per output: max |diff|, relative L2, cosine, judged by the recipe's tolerances:
-  - float32 / float64 outputs: relative L2 <= ``verify.tolerance.float32`` / ``float64``;
-  - integer and bool outputs: exact;
-  - bf16 units: judged against ``reference_fp32.<method>.pt2``: the artifact may be no further from it than
-    ``bf16_factor`` times eager bf16's own distance (never held to less than the float32 tolerance), with
-    cosine >= ``bf16_min_cosine``.
-A shape, dtype or output-count mismatch, or a non-finite value where the reference is finite, fails by itself.
-
-Runtimes (``verify.runtimes``, zoo.export.verify_runtimes): ``aoti`` runs each method's ``.so`` through torch's AOTI
-runner as above; ``executorch`` runs ``model.pte`` + ``aoti_cuda_blob.ptd`` through ExecuTorch's own C++ runtime
-(zoo_runner, one process for the run), with the same inputs, seeds, sizes and tolerances, fed in the method's
-signature order (the runtime reorders for the ``.so`` itself). Each row names its runtime. When the ExecuTorch
-runtime cannot load or run the artifact, verification fails, unless the runtime audit predicted exactly that
-for the runtime's release: then it is recorded as expected, with the audit's reason.
+"""Verification of the shipped artifact: each method run as written in ``model.pte`` / ``aoti_cuda_blob.ptd`` on each
+chosen runtime, on the GPU, against the exported program run eagerly, at every seed and size, under the recipe's
+tolerances. The rules (float32/float64, integers, bf16 against a float32 copy) are in docs/ARCHITECTURE.md, "Audit
+and verification".
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import math
@@ -332,81 +315,24 @@ def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional
     programs saved in the run folder: at real size those are ~10 GB (bf16) and ~20 GB (float32) per method,
     more disk and load time than the run is worth. The same judgement applies either way."""
     start = time.perf_counter()
-    run = RunFolder(run_dir)
-    device = device or _default_device()
-    factory = runner_factory or aoti_runner_factory
     choice = runtimes if isinstance(runtimes, RuntimeChoice) else choose_runtimes(
         recipe.verify.runtimes if runtimes is None else runtimes)
-    if not run.io_spec_file.exists():
-        raise VerificationFailed(f"{run.io_spec_file} is missing: zoo cannot draw inputs for the methods",
-                                 "the export step writes it; export the recipe again")
-    io_spec = run.read_io_spec()
-    methods = list(recipe.unit.methods)
-    missing = [m for m in methods if m not in io_spec.methods]
-    if missing:
-        raise VerificationFailed(f"{IO_SPEC_JSON} has no entry for method(s) {', '.join(missing)}",
-                                 "the run folder does not belong to this recipe; export again")
-    specs = {m: list(io_spec.methods[m].inputs) for m in methods}
-    output_names = {m: list(io_spec.methods[m].outputs) for m in methods}
-    low_precision = recipe.unit.dtype == "bfloat16"
-    cases = size_cases(io_spec, recipe)
-    if not run.pte.exists():
-        raise VerificationFailed(f"{run.pte} is missing", "lower the run first (`python -m zoo lower RUN_DIR`)")
-
-    def run_all(runtime: str, call: Callable[[str, List[torch.Tensor]], List[torch.Tensor]], rows: List[Row]) -> None:
-        """Every seed, size and method through ``call``, compared with eager; rows are appended as they come, so
-        a runtime that fails half way keeps what it compared."""
-        def reference(kind: str, m: str):
-            given = (references or {}).get(kind) or {}
-            return given[m] if m in given else _eager_module(run.program(kind, m), device)
-
-        eager = {m: reference("exported", m) for m in methods}
-        ref32 = {m: reference("reference_fp32", m) for m in methods} if low_precision else {}
-        seen = set()
-        calls = [(seed, sizes) for seed in recipe.verify.seeds for sizes in cases]
-        for seed, sizes in steps(calls, f"verify ({runtime})", label=lambda c: f"seed {c[0]} {_sizes_text(c[1])}",
-                                 unit="case"):
-            for m in methods:
-                used = {d: sizes[d] for spec in specs[m] for d in spec.shape if isinstance(d, str)}
-                if (seed, m, tuple(sorted(used.items()))) in seen:
-                    continue
-                seen.add((seed, m, tuple(sorted(used.items()))))
-                inputs = [t.to(device) for t in draw_inputs(specs[m], used, seed, m)]
-                with torch.no_grad(), full_fp32_precision():
-                    want = _flat_tensors(eager[m](*inputs))
-                    want32 = _flat_tensors(ref32[m](*[_to_fp32(t) for t in inputs])) if low_precision else None
-                    got = call(m, inputs)
-                for c, bound, facts in compare_outputs(output_names[m], got, want, recipe.verify.tolerance,
-                                                       ref_fp32=want32):
-                    rows.append(Row(runtime=runtime, method=m, seed=seed, sizes=used, output=c.name,
-                                    shape=list(c.shape), dtype=c.dtype, max_abs=c.max_abs, rel_l2=c.rel_l2,
-                                    cosine=c.cosine, tolerance=bound, ok=c.ok, why=c.why,
-                                    reference=facts.get("reference", "eager"),
-                                    eager_rel_l2=facts.get("eager_rel_l2"), vs_eager=facts.get("vs_eager")))
-
+    plan = _plan(RunFolder(run_dir), recipe, device or _default_device(), references)
     rows: List[Row] = []
     outcomes: Dict[str, Dict[str, Any]] = {}
+    counts = (f"{len(plan.methods)} method(s), {len(recipe.verify.seeds)} seed(s) x {len(plan.cases)} size(s)")
     if "aoti" in choice.runtimes:
-        say(f"verify on {LABELS['aoti']}: {len(methods)} method(s), {len(recipe.verify.seeds)} seed(s) x "
-            f"{len(cases)} size(s)")
-        orders = {m: run.io_order(m) for m in methods}
-        with shipped_runners(run.pte, run.ptd, methods, factory, device, so_dir=run.so_dir) as runners:
-
-            def call_so(m: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
-                return run_in_delegate_order(runners[m], orders[m], inputs)
-
-            run_all("aoti", call_so, rows)
-        outcomes["aoti"] = {"status": RAN, "describe": "torch's AOTI runner over each method's .so (libtorch's "
-                                                       f"shims), torch {torch.__version__}"}
+        say(f"verify on {LABELS['aoti']}: {counts}")
+        outcomes["aoti"] = _run_aoti(plan, runner_factory or aoti_runner_factory, rows)
     if "executorch" in choice.runtimes:
-        say(f"verify on {describe_runner(choice)}: {len(methods)} method(s), {len(recipe.verify.seeds)} seed(s) x "
-            f"{len(cases)} size(s)")
-        outcomes["executorch"] = _run_executorch(run, methods, device, choice, run_all, rows, audited)
+        say(f"verify on {describe_runner(choice)}: {counts}")
+        outcomes["executorch"] = _run_executorch(plan.run, plan.methods, plan.device, choice,
+                                                 functools.partial(_compare_all, plan), rows, audited)
     for name, why in choice.left_out.items():  # a runtime the default choice left out
         outcomes[name] = {"status": NOT_RUN, "describe": LABELS[name], "why": why}
-    result = VerificationResult(rows=rows, device=device, gpu=_gpu_info(device), rotary_pairs=recipe.rotary_pairs,
-                                unit_dtype=recipe.unit.dtype, seconds=time.perf_counter() - start,
-                                runtimes=outcomes, notes=choice.notes())
+    result = VerificationResult(rows=rows, device=plan.device, gpu=_gpu_info(plan.device),
+                                rotary_pairs=recipe.rotary_pairs, unit_dtype=recipe.unit.dtype,
+                                seconds=time.perf_counter() - start, runtimes=outcomes, notes=choice.notes())
     if recipe.rotary_pairs == "float32":
         result.notes.append("rotary pairs are float32: the relative L2 above is the float32 pairs' error against "
                             "the source's own (complex128 where it uses it) eager rotary math")
@@ -419,6 +345,92 @@ def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional
                                  "or a kernel the compile got wrong are the usual causes; a runtime that failed "
                                  "to load or run names the reason (ExecuTorch's own log) above", result=result)
     return result
+
+
+@dataclass
+class _Plan:
+    """What verification compares: the methods, their inputs and outputs, the size cases, and the references."""
+
+    run: RunFolder
+    recipe: Any
+    device: str
+    methods: List[str]
+    specs: Dict[str, List[Any]]  # per method, its InputSpecs
+    output_names: Dict[str, List[str]]
+    cases: List[Dict[str, int]]
+    references: Mapping[str, Mapping[str, Callable[..., Any]]]
+
+    @property
+    def low_precision(self) -> bool:
+        return self.recipe.unit.dtype == "bfloat16"
+
+    def reference(self, kind: str, method: str) -> Callable[..., Any]:
+        given = self.references.get(kind) or {}
+        return given[method] if method in given else _eager_module(self.run.program(kind, method), self.device)
+
+
+def _plan(run: RunFolder, recipe, device: str,
+          references: Optional[Mapping[str, Mapping[str, Callable[..., Any]]]]) -> _Plan:
+    """The run's io spec read against the recipe's methods; refused when the folder cannot be verified."""
+    if not run.io_spec_file.exists():
+        raise VerificationFailed(f"{run.io_spec_file} is missing: zoo cannot draw inputs for the methods",
+                                 "the export step writes it; export the recipe again")
+    io_spec = run.read_io_spec()
+    methods = list(recipe.unit.methods)
+    missing = [m for m in methods if m not in io_spec.methods]
+    if missing:
+        raise VerificationFailed(f"{IO_SPEC_JSON} has no entry for method(s) {', '.join(missing)}",
+                                 "the run folder does not belong to this recipe; export again")
+    if not run.pte.exists():
+        raise VerificationFailed(f"{run.pte} is missing", "lower the run first (`python -m zoo lower RUN_DIR`)")
+    return _Plan(run=run, recipe=recipe, device=device, methods=methods,
+                 specs={m: list(io_spec.methods[m].inputs) for m in methods},
+                 output_names={m: list(io_spec.methods[m].outputs) for m in methods},
+                 cases=size_cases(io_spec, recipe), references=references or {})
+
+
+def _compare_all(plan: _Plan, runtime: str, call: Callable[[str, List[torch.Tensor]], List[torch.Tensor]],
+                 rows: List[Row]) -> None:
+    """Every seed, size and method through ``call``, compared with eager; rows are appended as they come, so a
+    runtime that fails half way keeps what it compared."""
+    recipe, methods = plan.recipe, plan.methods
+    eager = {m: plan.reference("exported", m) for m in methods}
+    ref32 = {m: plan.reference("reference_fp32", m) for m in methods} if plan.low_precision else {}
+    seen = set()
+    calls = [(seed, sizes) for seed in recipe.verify.seeds for sizes in plan.cases]
+    for seed, sizes in steps(calls, f"verify ({runtime})", label=lambda c: f"seed {c[0]} {_sizes_text(c[1])}",
+                             unit="case"):
+        for m in methods:
+            used = {d: sizes[d] for spec in plan.specs[m] for d in spec.shape if isinstance(d, str)}
+            if (seed, m, tuple(sorted(used.items()))) in seen:
+                continue
+            seen.add((seed, m, tuple(sorted(used.items()))))
+            inputs = [t.to(plan.device) for t in draw_inputs(plan.specs[m], used, seed, m)]
+            with torch.no_grad(), full_fp32_precision():
+                want = _flat_tensors(eager[m](*inputs))
+                want32 = _flat_tensors(ref32[m](*[_to_fp32(t) for t in inputs])) if plan.low_precision else None
+                got = call(m, inputs)
+            for c, bound, facts in compare_outputs(plan.output_names[m], got, want, recipe.verify.tolerance,
+                                                   ref_fp32=want32):
+                rows.append(Row(runtime=runtime, method=m, seed=seed, sizes=used, output=c.name,
+                                shape=list(c.shape), dtype=c.dtype, max_abs=c.max_abs, rel_l2=c.rel_l2,
+                                cosine=c.cosine, tolerance=bound, ok=c.ok, why=c.why,
+                                reference=facts.get("reference", "eager"),
+                                eager_rel_l2=facts.get("eager_rel_l2"), vs_eager=facts.get("vs_eager")))
+
+
+def _run_aoti(plan: _Plan, factory: RunnerFactory, rows: List[Row]) -> Dict[str, Any]:
+    """The artifact's .so files through torch's AOTI runner, each fed in its delegate's own input order."""
+    run = plan.run
+    orders = {m: run.io_order(m) for m in plan.methods}
+    with shipped_runners(run.pte, run.ptd, plan.methods, factory, plan.device, so_dir=run.so_dir) as runners:
+
+        def call_so(m: str, inputs: List[torch.Tensor]) -> List[torch.Tensor]:
+            return run_in_delegate_order(runners[m], orders[m], inputs)
+
+        _compare_all(plan, "aoti", call_so, rows)
+    return {"status": RAN, "describe": f"torch's AOTI runner over each method's .so (libtorch's shims), "
+                                       f"torch {torch.__version__}"}
 
 
 def _run_executorch(run: RunFolder, methods: Sequence[str], device: str, choice: RuntimeChoice, run_all,
