@@ -217,6 +217,11 @@ def test_policy_tiny_recipes_end_to_end(tiny_runs, recipe):
     steps = {"lingbot-va-tiny": [12, 16, 16, 1], "fast-wam-tiny": [32, 32, 32, 1]}[recipe]
     assert [row["steps"] for row in check["rows"]] == steps and "chunk" in check["table"]
     assert re.search(r"^policy_check\s+done", exported.stdout, re.M)
+    # What LeRobot and diffusers print as they load (a print() to stdout, a logger configured on import, before
+    # the run's log exists) goes to the run's log, not the terminal.
+    terminal, log = exported.stdout + exported.stderr, (run / "export.log").read_text()
+    for line in ("Loading weights from local directory", "Unable to import `torchao` Tensor objects"):
+        assert line not in terminal and line in log, line
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class _Output:
     terminal: Optional[TextIO] = None
     log: Optional[TextIO] = None
     captured = 0  # dependency lines that went only to the log
+    pending: Optional[io.StringIO] = None  # dependency output from before the run's log existed (held_back)
 
 
 def terminal() -> TextIO:
@@ -166,6 +167,72 @@ def on_terminal() -> Iterator[None]:
 # The run's log
 
 
+@contextlib.contextmanager
+def held_back(verbose: bool = False) -> Iterator[None]:
+    """Dependency output of a step that runs before the run's log exists (importing a policy family imports
+    lerobot and diffusers, which log as they load) is held back and written into the next ``run_log``; a
+    failure leaving the block prints it to the terminal instead, so nothing is lost."""
+    if verbose:
+        yield
+        return
+    buffer = io.StringIO()
+    saved_stderr = sys.stderr
+    stand_in = _DependencyOutput(buffer, saved_stderr, echo=False)
+    redirected = _terminal_handlers(saved_stderr)
+    sys.stderr = stand_in
+    for h in redirected:
+        h.setStream(stand_in)
+    failed = False
+    try:
+        yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        sys.stderr = saved_stderr
+        # Handlers made inside the block (a library configuring its logger on import) hold the stand-in: they
+        # go back to the terminal stream too, where run_log finds and redirects them.
+        for h in redirected + _handlers_on(stand_in):
+            h.setStream(saved_stderr)
+        stand_in.detach_run()
+        if failed:
+            saved_stderr.write(buffer.getvalue())
+        else:
+            _Output.pending = buffer
+
+
+class _ZooStdout(io.TextIOBase):
+    """Stands in for sys.stdout while a run goes on: zoo's own prints (its tables) reach the terminal, a
+    dependency's (LeRobot's "Loading weights from local directory") go where its stderr goes, the log."""
+
+    def __init__(self, stdout: TextIO, dependency: "_DependencyOutput"):
+        super().__init__()
+        self._stdout, self._dependency = stdout, dependency
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        # print() is C code: the frame that called it is the one just above this write.
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        own = caller == "__main__" or caller == "zoo" or caller.startswith("zoo.")
+        return (self._stdout if own else self._dependency).write(text)
+
+    def flush(self) -> None:
+        self._stdout.flush()
+        self._dependency.flush()
+
+    def isatty(self) -> bool:
+        return self._stdout.isatty()
+
+    def fileno(self) -> int:
+        return self._stdout.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._stdout, "encoding", "utf-8")
+
+
 class _DependencyOutput(io.TextIOBase):
     """Stands in for sys.stderr while a run goes on: what dependencies print goes to the log file (and, with
     ``echo``, on to the terminal too). A library that kept a reference to it writes to the terminal again
@@ -186,7 +253,8 @@ class _DependencyOutput(io.TextIOBase):
         if not self._attached:
             return self._terminal.write(text)
         if text.strip():
-            _to_log(text)
+            with contextlib.suppress(OSError, ValueError):  # a full disk must not turn a line into an error
+                self._log.write(text if text.endswith("\n") else text + "\n")
             _Output.captured += 1
         if self._echo:
             self._terminal.write(text)
@@ -225,6 +293,14 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
         _Output.captured += 1
 
 
+def _handlers_on(stream: TextIO) -> list:
+    """Stream handlers of every logger that write to ``stream``."""
+    loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(logger, logging.Logger)]
+    return [h for logger in loggers for h in logger.handlers
+            if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is stream]
+
+
 def _terminal_handlers(term: TextIO) -> list:
     """Logging handlers of every logger but zoo's that write to the terminal stream ``term``."""
     loggers = [logging.getLogger()] + [logger for name, logger in logging.Logger.manager.loggerDict.items()
@@ -252,11 +328,16 @@ def run_log(path: Path, verbose: bool = False) -> Iterator[RunLog]:
     record = RunLog(Path(path))
     record.path.parent.mkdir(parents=True, exist_ok=True)
     log_file = open(record.path, "a", encoding="utf-8", buffering=1)
-    saved = (_Output.terminal, _Output.log, _Output.captured, sys.stderr, warnings.showwarning)
+    saved = (_Output.terminal, _Output.log, _Output.captured, sys.stderr, warnings.showwarning, sys.stdout)
     term = terminal()
     _Output.terminal, _Output.log, _Output.captured = term, log_file, 0
     stand_in = _DependencyOutput(log_file, term, echo=verbose)
+    if _Output.pending is not None:  # what held_back kept from before the log existed
+        for line in _Output.pending.getvalue().splitlines():
+            stand_in.write(line + "\n")
+        _Output.pending = None
     sys.stderr = stand_in
+    sys.stdout = _ZooStdout(saved[5], stand_in)
     warnings.showwarning = _show_warning
     root = logging.getLogger()
     handler = logging.StreamHandler(log_file)
@@ -279,7 +360,7 @@ def run_log(path: Path, verbose: bool = False) -> Iterator[RunLog]:
         for h in redirected:
             h.setStream(term)
         stand_in.detach_run()
-        sys.stderr, warnings.showwarning = saved[3], saved[4]
+        sys.stderr, warnings.showwarning, sys.stdout = saved[3], saved[4], saved[5]
         _Output.terminal, _Output.log, _Output.captured = saved[0], saved[1], saved[2]
         with contextlib.suppress(OSError, ValueError):
             log_file.close()

@@ -27,7 +27,7 @@ from zoo.core.errors import (Interrupted, LoweringError, NoGpuError, RewriteDecl
                              ZooError, storage_error)
 from zoo.policies.base import ExportUnit
 from zoo.export.policy_check import not_applicable, policy_check_step, record_skip
-from zoo.core.progress import run_log, say
+from zoo.core.progress import held_back, run_log, say
 from zoo.core.report import FINISHED, RunReport, record_failure, timed_stage
 from zoo.rewrites.result import source_line
 from zoo.contract.io_spec import DynamicDim, IoSpec
@@ -55,7 +55,8 @@ def run_pipeline(recipe, run_dir: Path, overrides: Sequence[str] = (), *, force:
     re-raised (a ``ZooError`` the CLI prints, or ``Interrupted``) with its ``report`` and ``placement`` set."""
     # Refused before anything is fabricated, downloaded or written: a recipe the family cannot build, and a
     # verification runtime the recipe names but this machine cannot run.
-    policies.check_recipe(recipe)
+    with held_back(verbose):  # importing the family imports lerobot and diffusers, which log as they load
+        policies.check_recipe(recipe)
     choose_runtimes(recipe.verify.runtimes)
     attempt = Attempt.begin(run_dir, force=force)
     run, staging = attempt.run, attempt.staging
