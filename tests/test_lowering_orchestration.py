@@ -137,7 +137,7 @@ def lowered(tmp_path_factory):
 
 def test_parallel_and_sequential_lowerings_verify_alike_against_eager(lowered):
     par, seq = (lowered[k] for k in ("parallel", "sequential"))
-    assert par["result"].workers == {"count": 2, "why": "asked for", "in_process": False}
+    assert par["result"].workers == {"count": 2, "why": "asked for", "in_process": False, "reused": []}
     assert seq["result"].workers["in_process"] is True
     assert any(line.startswith("lowering observe: worker ") for line in par["lines"])  # a worker process each
     got = {k: verified(v["run"], v["recipe"]) for k, v in lowered.items()}

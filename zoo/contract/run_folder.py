@@ -61,6 +61,13 @@ NOT_GOOD = ("failed", "interrupted", "running")
 # What is published from a finished run (besides processors/, copied whole, and each method's so/<m>.io.json):
 # what a deploy side loads.
 ARTIFACT_FILES = (PTE_NAME, PTD_NAME, IO_SPEC_JSON, HOST_SETTINGS_JSON)
+# Beside the run, never in it: ``.<run name>.lowered/<method>/``, the lowered parts of a lowering that stopped
+# part way, each with the stamp of what it was lowered from (zoo.export.lower.kept_parts). Outside the run so
+# that a failed attempt never changes a good run; beside it so that hard links reach it (one file system).
+KEPT_PARTS_SUFFIX = ".lowered"
+KEPT_STAMP_JSON = "stamp.json"
+# A staging folder's name: the run's name between a dot and ``.partial-<pid>`` (``RunFolder.new_staging``).
+_STAGING_NAME = re.compile(r"\.(?P<run>.+)\.partial-\d+")
 
 
 def read_program(path: Path) -> ExportedProgram:
@@ -208,6 +215,18 @@ class RunFolder:
     def compiled_methods(self) -> Dict[str, Path]:
         """{method: .so} for every compiled method extracted into ``so/``."""
         return {path.stem: path for path in sorted(self.so_dir.glob(so_file_name("*")))}
+
+    @property
+    def run_name(self) -> str:
+        """The name of the run this folder holds, or stages (``.<name>.partial-<pid>``)."""
+        staged = _STAGING_NAME.fullmatch(self.name)
+        return staged.group("run") if staged else self.name
+
+    @property
+    def kept_parts_dir(self) -> Path:
+        """``.<run name>.lowered/`` beside the run (and beside its staging folders): the lowered methods a
+        lowering that stopped part way kept for the next one."""
+        return self.path.parent / f".{self.run_name}{KEPT_PARTS_SUFFIX}"
 
     def is_run(self) -> bool:
         """Whether zoo wrote this folder (it holds a run report)."""

@@ -126,7 +126,9 @@ def lower_step(programs: Mapping[str, Union[ExportedProgram, Path]], run: RunFol
                              "programs)")
             report.record("lowering", lowered.summary())
             facts["detail"] = (f"{PTE_NAME} {lowered.pte_bytes} B, {PTD_NAME} {lowered.ptd_bytes} B, "
-                               f"{lowered.workers['count']} at once")
+                               f"{lowered.workers['count']} at once"
+                               + (f", reused {', '.join(lowered.workers['reused'])} from an earlier lowering"
+                                  if lowered.workers.get("reused") else ""))
     except KernelPreflightRefused as exc:
         # Refused by the preflight, before any compile: that stage failed, and the lowering never compiled.
         report.stage("preflight", "failed", None, first_line(exc, limit=160))

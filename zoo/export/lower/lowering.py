@@ -23,6 +23,7 @@ from zoo.core.errors import LoweringError
 from zoo.core.progress import Progress
 from zoo.core.progress import say as default_say
 from zoo.export.lower import compile_settings
+from zoo.export.lower.kept_parts import PartStore
 from zoo.export.lower.constant_plan import ConstantPlan, plan_constants, plans_decision, read_constants, sharing_groups
 from zoo.export.lower.method_lowering import CUDA_LOWERING, MethodLowering
 from zoo.export.lower.outputs import (LoweringResult, clean_work_folder, program_files, weights_record,
@@ -64,6 +65,9 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
     gpu, target_plan = gpu_and_target(recipe, method_lowering)
     ensure_flatc()
     run = RunFolder(run)
+    # Each finished method is kept beside the run with its stamp, so that a lowering that stops part way
+    # resumes where it stopped (zoo.export.lower.kept_parts).
+    store = PartStore.for_run(run, method_lowering.function, gpu)
     run.path.mkdir(parents=True, exist_ok=True)
     if not programs:
         raise LoweringError("no methods to lower", "the unit names its methods in unit.methods")
@@ -80,10 +84,11 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
         stage_seconds["plan"] = round(time.perf_counter() - mark, 3)
         options = lowering_options(recipe, run_preflight, target_plan)
         parts, workers_record = lower_methods(programs, in_memory, tables, options, recipe, work, stage_seconds,
-                                              workers=workers, target_plan=target_plan,
+                                              workers=workers, target_plan=target_plan, store=store,
                                               method_lowering=method_lowering, consume=consume, say=say)
         del in_memory
         methods_record, ptd_summary = write_artifacts(parts, run, stage_seconds)
+        store.remove()  # assembled: nothing of this run is left to resume
         # What was asked, read back from the binary: every kernel carries SASS for the target.
         check_lowered(target_plan, {m: run.path / a.so for m, a in methods_record.items()})
         preflights = [PreflightResult.from_dict(p.record["preflight"]) for p in parts.values()
@@ -138,8 +143,9 @@ def lowering_options(recipe, run_preflight: bool, target_plan: Optional[TargetPl
 
 def lower_methods(programs: Mapping[str, Union[ExportedProgram, Path]], in_memory: Dict[str, ExportedProgram],
                   tables: ConstantTables, options: Dict[str, Any], recipe, work: Path, stage_seconds: Dict[str, float],
-                  *, workers: Optional[int], target_plan: Optional[TargetPlan], method_lowering: MethodLowering,
-                  consume: bool, say: Callable[[str], None]) -> Tuple[Dict[str, MethodPart], Dict[str, Any]]:
+                  *, workers: Optional[int], target_plan: Optional[TargetPlan], store: PartStore,
+                  method_lowering: MethodLowering, consume: bool, say: Callable[[str], None]
+                  ) -> Tuple[Dict[str, MethodPart], Dict[str, Any]]:
     """Every method lowered, side by side in workers or one after another here (``choose_workers``); returns the
     parts and the report's ``workers`` record. ``in_memory`` is emptied: the parent holds no program after."""
     methods = list(programs)
@@ -156,52 +162,65 @@ def lower_methods(programs: Mapping[str, Union[ExportedProgram, Path]], in_memor
     # properties that Inductor or Triton filled before (zoo.export.lower.target).
     in_process = count == 1 and (target_plan is None or target_plan.mode == NATIVE)
     if in_process:
-        parts = lower_here(programs, in_memory, method_options, method_lowering, work, stage_seconds,
-                           consume=consume, say=say)
+        parts, reused = lower_here(programs, in_memory, method_options, method_lowering, work, stage_seconds,
+                                   store=store, consume=consume, say=say)
     else:
         in_memory.clear()  # the parent's copies go before the workers load theirs
-        parts = lower_side_by_side(programs, start_order, method_options, method_lowering, work, stage_seconds,
-                                   count=count, say=say)
-    return parts, {"count": count, "why": why, "in_process": in_process}
+        parts, reused = lower_side_by_side(programs, start_order, method_options, method_lowering, work,
+                                           stage_seconds, store=store, count=count, say=say)
+    return parts, {"count": count, "why": why, "in_process": in_process, "reused": reused}
 
 
 def lower_here(programs: Mapping[str, Union[ExportedProgram, Path]], in_memory: Dict[str, ExportedProgram],
                method_options: Mapping[str, Dict[str, Any]], method_lowering: MethodLowering, work: Path,
-               stage_seconds: Dict[str, float], *, consume: bool, say: Callable[[str], None]
-               ) -> Dict[str, MethodPart]:
+               stage_seconds: Dict[str, float], *, store: PartStore, consume: bool, say: Callable[[str], None]
+               ) -> Tuple[Dict[str, MethodPart], List[str]]:
     """The methods lowered one after another in this process. Programs read from files are ours to consume;
     the caller's are copied unless handed over (``to_edge_transform_and_lower`` changes the program it lowers).
     ``in_memory`` is emptied: each program is held by its job alone."""
     mark = time.perf_counter()
+    # Only a program read from a file has a stamp: hashing one given in memory would mean saving it first.
+    kept = store.stamped({m: Path(p) for m, p in programs.items() if not isinstance(p, ExportedProgram)},
+                         method_options)
+    reused = kept.reuse(list(programs), work / "methods", say)
     jobs = [MethodJob(m, in_memory[m] if consume or not isinstance(programs[m], ExportedProgram)
-                      else copy.deepcopy(in_memory[m]), method_options[m]) for m in programs]
+                      else copy.deepcopy(in_memory[m]), method_options[m]) for m in programs if m not in reused]
     in_memory.clear()
-    with Progress("lower", len(jobs), unit="method") as bar:
-        parts = lower_in_process(jobs, method_lowering.function, work / "methods",
-                                 pythonpath=method_lowering.pythonpath, say=say, bar=bar)
+    lowered: Dict[str, MethodPart] = {}
+    if jobs:
+        with Progress("lower", len(jobs), unit="method") as bar:
+            lowered = lower_in_process(jobs, method_lowering.function, work / "methods",
+                                       pythonpath=method_lowering.pythonpath, say=say, bar=bar, on_part=kept.keep)
     del jobs
     stage_seconds["methods"] = round(time.perf_counter() - mark, 3)
-    return parts
+    return {m: reused[m] if m in reused else lowered[m] for m in programs}, list(reused)
 
 
 def lower_side_by_side(programs: Mapping[str, Union[ExportedProgram, Path]], start_order: List[str],
                        method_options: Mapping[str, Dict[str, Any]], method_lowering: MethodLowering, work: Path,
-                       stage_seconds: Dict[str, float], *, count: int, say: Callable[[str], None]
-                       ) -> Dict[str, MethodPart]:
+                       stage_seconds: Dict[str, float], *, store: PartStore, count: int,
+                       say: Callable[[str], None]) -> Tuple[Dict[str, MethodPart], List[str]]:
     """The methods lowered in worker processes, ``count`` at once, started in ``start_order``; programs given in
     memory are saved for the workers first and deleted after."""
     files, saved = program_files(programs, work / "programs", stage_seconds)
-    mark = time.perf_counter()  # "methods" is the workers' time alone: the save has its own stage
-    jobs = [MethodJob(m, files[m], method_options[m]) for m in start_order]
+    mark = time.perf_counter()
+    kept = store.stamped(files, method_options)
+    reused = kept.reuse(start_order, work / "methods", say)
+    stage_seconds["stamp"] = round(time.perf_counter() - mark, 3)
+    mark = time.perf_counter()  # "methods" is the workers' time alone: the save and the stamps have their own
+    jobs = [MethodJob(m, files[m], method_options[m]) for m in start_order if m not in reused]
     env = {"PYTHONPATH": os.pathsep.join(method_lowering.pythonpath)} if method_lowering.pythonpath else None
-    with Progress("lower", len(jobs), unit="method") as bar:
-        started = lower_in_workers(jobs, method_lowering.function, work / "methods", max_workers=count,
-                                   env=env, say=say, bar=bar)
-    parts = {m: started[m] for m in programs}  # the .pte lists the methods in the unit's order
+    started: Dict[str, MethodPart] = {}
+    if jobs:
+        with Progress("lower", len(jobs), unit="method") as bar:
+            started = lower_in_workers(jobs, method_lowering.function, work / "methods", max_workers=count,
+                                       env=env, say=say, bar=bar, on_part=kept.keep)
+    # The .pte lists the methods in the unit's order, reused or not.
+    parts = {m: reused[m] if m in reused else started[m] for m in programs}
     for path in saved:  # disk: at real size each is ~10 GB, and the workers are done with them
         path.unlink()
     stage_seconds["methods"] = round(time.perf_counter() - mark, 3)
-    return parts
+    return parts, [m for m in programs if m in reused]
 
 
 def options_record(options: Dict[str, Any], method_lowering: MethodLowering) -> Dict[str, Any]:

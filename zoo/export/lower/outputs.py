@@ -100,6 +100,9 @@ class LoweringResult:
                 + (f"; {self.gpu['target']['words']}" if self.gpu.get("target") else "") + "), "
                 f"{workers.get('count', 1)} at once ({workers.get('why', '')}"
                 f"{', in this process' if workers.get('in_process') else ''})")
+        if workers.get("reused"):
+            head += (f"; reused from an earlier lowering that stopped (stamp matches): "
+                     f"{', '.join(workers['reused'])}")
         if self.weights.get("segments") is not None:
             head += "\n" + weights_line(self.weights)
         if self.runtime:

@@ -38,6 +38,7 @@ ENV_COMPILE_THREADS = "TORCHINDUCTOR_COMPILE_THREADS"
 # named __main__, whose LoweredMethod is another class than the one the lowering function returns.
 _WORKER_ENTRY = "import sys; from zoo.export.lower.workers import main; sys.exit(main())"
 _LOG_TAIL_LINES = 25
+RESULT_JSON = "result.json"  # a part's record, written last: its presence means the part is whole
 _STOP_GRACE_S = 10.0
 
 
@@ -168,7 +169,8 @@ class _Running:
 def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *,
                      max_workers: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
                      say: Callable[[str], None] = default_say, heartbeat_s: float = 60.0,
-                     poll_s: float = 0.2, bar: Optional[Progress] = None) -> Dict[str, MethodPart]:
+                     poll_s: float = 0.2, bar: Optional[Progress] = None,
+                     on_part: Optional[Callable[[MethodPart], None]] = None) -> Dict[str, MethodPart]:
     """Lower every job's method in its own worker process, at most ``max_workers`` at a time.
 
     ``bar`` (a ``zoo.core.progress.Progress`` over the methods) names the methods running and counts each one done.
@@ -196,7 +198,7 @@ def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
                     f"(log {running[job.method].log})")
                 if bar is not None:
                     bar.begin(", ".join(running))
-            _collect_finished(running, parts, say=say, bar=bar)
+            _collect_finished(running, parts, say=say, bar=bar, on_part=on_part)
             if running and time.monotonic() - last_beat >= heartbeat_s:
                 now = time.monotonic()
                 say("lowering: " + ", ".join(f"{m} running {now - r.started:.0f} s" for m, r in running.items())
@@ -230,7 +232,8 @@ def _checked_worker_env(jobs: Sequence[MethodJob], function: str,
 
 
 def _collect_finished(running: Dict[str, "_Running"], parts: Dict[str, MethodPart], *,
-                      say: Callable[[str], None], bar: Optional[Progress]) -> None:
+                      say: Callable[[str], None], bar: Optional[Progress],
+                      on_part: Optional[Callable[[MethodPart], None]] = None) -> None:
     """Move each worker that has exited from ``running`` to ``parts``; a failed one raises its error."""
     for method, run in list(running.items()):
         code = run.process.poll()
@@ -242,6 +245,8 @@ def _collect_finished(running: Dict[str, "_Running"], parts: Dict[str, MethodPar
             say(f"lowering {method}: FAILED after {seconds:.1f} s (exit {code})")
             raise _worker_error(run, code)
         parts[method] = _collect(run, seconds)
+        if on_part is not None:  # kept at once: the next method may fail, or this process be killed
+            on_part(parts[method])
         say(f"lowering {method}: done in {seconds:.1f} s")
         if bar is not None:
             bar.advance()
@@ -259,7 +264,8 @@ def lower_and_assemble(jobs: Sequence[MethodJob], function: str, work_dir: Path,
 
 def lower_in_process(jobs: Sequence[MethodJob], function: str, work_dir: Path, *,
                      pythonpath: Sequence[str] = (), say: Callable[[str], None] = default_say,
-                     bar: Optional[Progress] = None) -> Dict[str, MethodPart]:
+                     bar: Optional[Progress] = None,
+                     on_part: Optional[Callable[[MethodPart], None]] = None) -> Dict[str, MethodPart]:
     """The same lowering in this process, one method after another, leaving the same parts as the workers.
 
     For debugging (a breakpoint in the lowering, one traceback) and for one method. A job's ``program`` may be
@@ -288,6 +294,8 @@ def lower_in_process(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
         _write_part(folder, job.method, lowered, job_function=function, seconds=time.monotonic() - start)
         parts[job.method] = _collect(_Running(job=job, folder=folder, log=None, process=None, started=start),
                                      time.monotonic() - start)
+        if on_part is not None:
+            on_part(parts[job.method])
         say(f"lowering {job.method}: done in {parts[job.method].seconds:.1f} s")
         if bar is not None:
             bar.advance()
@@ -353,11 +361,11 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def _collect(run: _Running, seconds: float) -> MethodPart:
-    result_path = run.folder / "result.json"
+    result_path = run.folder / RESULT_JSON
     pte = run.folder / f"{run.job.method}.pte"
     if not result_path.is_file() or not pte.is_file():
         raise LoweringError(f"the worker lowering method {run.job.method!r} exited cleanly but left no "
-                            f"{'result.json' if not result_path.is_file() else pte.name}",
+                            f"{RESULT_JSON if not result_path.is_file() else pte.name}",
                             f"see its log {run.log}:\n{_log_tail(run.log)}")
     result = json.loads(result_path.read_text())
     return MethodPart(method=run.job.method, pte=pte,
@@ -452,7 +460,7 @@ def _write_part(folder: Path, method: str, lowered: Any, *, job_function: str, s
         fh.flush()
         os.fsync(fh.fileno())
     lowered.program.write_tensor_data_to_file(str(folder))  # the .ptd files, if the program has any
-    atomic.write_json(folder / "result.json", {"method": method, "seconds": seconds, "record": lowered.record})
+    atomic.write_json(folder / RESULT_JSON, {"method": method, "seconds": seconds, "record": lowered.record})
 
 
 def main(argv: Optional[List[str]] = None) -> int:
