@@ -19,7 +19,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from zoo.contract.run_folder import ARTIFACT_OUTPUTS, Attempt, RunFolder
+from zoo.contract.attempt import Attempt
+from zoo.contract.run_folder import ARTIFACT_OUTPUTS, RunFolder
 from zoo.core.errors import LoweringError
 from zoo.core.report import RunReport
 from zoo.export.lower import lowering
