@@ -1,23 +1,7 @@
-"""The policy check: does the artifact, driven the way the policy drives its model, give the policy's actions?
-
-The runner (``zoo.runner``) over a run folder against LeRobot's own policy built from the same checkpoint, with
-its own processors, driven as a LeRobot control loop drives it (preprocessor, ``select_action``, postprocessor).
-Both get the same seeded synthetic observation sequence (``zoo.runner.observations``: drawn from the policy's
-input features in host_settings.json, covering ``policy_check.chunks`` whole action chunks and the first action
-of one more) and run one episode each from ``torch.manual_seed(policy_check.seed)``. The runner embeds the task
-from a prompt file made by the family's ``embed_prompt`` (what ``python -m zoo prompt`` writes); LeRobot runs its
-own UMT5. Judged per action chunk (``zoo.runner.check``):
-
-  on the CPU (during export)           eager runner (the rewritten programs) vs LeRobot eager; float32 units
-                                       only: relative L2 <= policy_check.tolerance.float32 (bf16 units are
-                                       skipped here: see BF16_ON_CPU)
-  on the GPU (after verification)      artifact runner (the shipped .so files) vs LeRobot eager on the GPU in full
-                                       float32 (no TF32); float32 units: <= tolerance.gpu_float32; bf16 units:
-                                       zoo's bf16 rule against LeRobot's float32 episode, drawn from the bf16
-                                       episode's noise where the family says how (``float32_reference_noise``)
-
-LeRobot is the policies extra: where it is missing (a Jetson), the check is skipped with that reason. Families
-without an action loop (Llama) have no policy to check: "not applicable".
+"""The policy check: the runner over a run folder against LeRobot's own policy from the same checkpoint, driven as a
+LeRobot control loop drives it, over one seeded synthetic episode, judged per action chunk: on the CPU during
+export (eager runner, float32 units) and on the GPU after verification (the artifact; float32 or zoo's bf16 rule).
+Skipped where lerobot is missing; "not applicable" to families without an action loop (docs/host-loops.md).
 """
 
 from __future__ import annotations

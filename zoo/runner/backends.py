@@ -1,21 +1,7 @@
-"""What runs a method of the artifact: the rewritten program eagerly, or the shipped ``.so`` + weights.
-
-Both take and return tensors by name, in the method's signature order from ``io_spec.json``, so the family
-runners never see which one they drive:
-
-  ``eager``     ``rewritten.<method>.pt2`` (what gets lowered) run by PyTorch, on the CPU or a GPU;
-  ``artifact``  each method's ``.so`` and weights blob taken out of ``model.pte`` / ``aoti_cuda_blob.ptd`` as they
-                are on disk, run through torch's AOTI runner on the GPU in the ``.so``'s own input order, exactly
-                as verification runs them (zoo.export.verify);
-  ``executorch`` ``model.pte`` + ``aoti_cuda_blob.ptd`` through ExecuTorch's own C++ runtime (one zoo_runner
-                process, zoo.runtimes.executorch). The state a family hands from call to call (``device_state``: LingBot-VA's
-                KV pool and VAE caches, Fast-WAM's video K/V) stays in the runtime, on the GPU: those outputs come
-                back as ``DeviceValue`` handles, which the family passes back in as inputs unchanged. The zoo_runner
-                must be of the release the artifact was lowered for (``runtime.json``; refused otherwise).
-
-A family declares its state as ``{method: {output: name}}``: the output is kept under ``name``, and the family
-feeds it back to the input of that name (``k_pool_next`` kept as ``k_pool``), which is what lets the runtime hand
-it over without a copy (zoo.runtimes.executorch).
+"""What runs a method of the artifact for a host loop: ``eager`` (the rewritten program), ``artifact`` (each shipped
+``.so`` through torch's AOTI runner) or ``executorch`` (``model.pte`` + ``.ptd`` on ExecuTorch's runtime, the state
+kept on the GPU as ``DeviceValue`` handles). All take and return tensors by name in the method's signature order
+(docs/host-loops.md, "The backends a host loop drives").
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""The policy check: the runner against the policy's own ``select_action``, over a sequence of observations.
-
-Both sides get the same observations, one episode each, from the same global RNG state (LingBot-VA draws its
-noise from the global generator inside its loop, so the episodes run one after the other, each after
-``torch.manual_seed(seed)``, never interleaved). The actions are grouped into the chunks the runner predicted and
-compared chunk by chunk:
-
-* float32: the runner's chunk against the reference's, relative L2 <= ``tolerance.float32``;
-* bf16 (zoo's bf16 rule, ``zoo.core.numerics.judge_low_precision``): the runner's bf16 chunk and the reference's own
-  bf16 chunk are both measured against a float32 reference episode; the runner may be at most
-  ``tolerance.bf16_factor`` times as far from it as the reference's bf16 is, with cosine >= ``bf16_min_cosine``.
-
-The reference is any object with ``reset()`` and ``select_action(batch)``; ``ProcessedPolicy`` makes one of a
-LeRobot policy and its processors, without importing lerobot here.
+"""The policy check's comparison: the runner against any ``reset()``/``select_action(batch)`` reference over the same
+observations, one episode each from the same RNG state, judged chunk by chunk (float32: relative L2; bf16: zoo's
+bf16 rule against a float32 episode). ``ProcessedPolicy`` wraps a LeRobot policy and its processors without
+importing lerobot (docs/host-loops.md, "The policy check").
 """
 
 from __future__ import annotations

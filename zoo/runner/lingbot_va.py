@@ -1,19 +1,6 @@
-"""LingBot-VA's host loop: LeRobot's ``LingBotVAPolicy`` (LeRobot 0.6.1) around the artifact's methods.
-
-What stays on the host is LeRobot's own arithmetic, line for line (references are to
-``lerobot/policies/lingbot_va/modeling_lingbot_va.py`` as ``m:`` and ``utils.py`` as ``u:``):
-
-* ``select_action``'s queue and keyframe buffering (m:403-436), ``predict_action_chunk`` (m:439-476);
-* ``_infer`` (m:750-834): noise from the global generator, the video then the action denoising loop, CFG
-  (``pred[1:] + scale * (pred[:1] - pred[1:])``), ``FlowMatchScheduler.step`` (u:257-267) on the float32
-  tables the export wrote, the conditioning frame re-imposed each step, unused action channels zeroed;
-* ``_prepare_latent_input`` / ``_repeat_input_for_cfg`` (m:630-699) and ``get_mesh_id`` (u:82-96);
-* ``_compute_kv_cache`` (m:717-746): observed keyframes and executed actions fed back with update_cache=2;
-* the KV cache's slot choice and eviction (``HostSlotAllocator``, mirroring u:562-632) over the pool that
-  ``video_step``/``action_step`` take and return (kv_pool layout ``io``);
-* the frames the streaming VAE methods take (``_camera_frame``, m:530-543).
-
-The DiT steps and the VAE encode are methods of the artifact; UMT5 is a prompt embedding file.
+"""LingBot-VA's host loop: LeRobot 0.6.1's ``LingBotVAPolicy`` around the artifact's methods, its host arithmetic
+line for line (the action queue, keyframe buffering, the denoising loops with CFG, KV feedback, slot choice and
+eviction). The line references to LeRobot's source are in docs/host-loops.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""Observations for the runner: the file ``python -m zoo act`` reads, and the seeded synthetic sequence the
-policy check drives both the runner and LeRobot's policy with.
-
-The observation file is **safetensors**: one tensor per key of LeRobot's observation batch, under LeRobot's own
-key (``observation.images.image``, ``observation.state``, ...), as a LeRobot environment hands them to the
-preprocessor (images float32 ``[3, H, W]`` in [0, 1], state float32 ``[D]``; a leading batch dim of 1 is also
-accepted, the preprocessor adds one when missing), and the task text in the file's metadata. Why safetensors and
-not a pickled ``.pt``: loading it runs no code (a robot host may load files it did not write), any language
-writes it (the format is a JSON header and raw little-endian bytes), and the keys stay LeRobot's strings.
-
-The synthetic sequence is drawn from what the policy declares it reads (``observation_features`` in
-``host_settings.json``, the checkpoint's ``config.input_features``): per step, in sorted key order, a VISUAL
-feature is ``torch.rand(shape)`` (pixels in [0, 1]) and every other feature ``torch.randn(shape)``, all float32
-from one ``torch.Generator`` seeded with the policy check's seed; every step carries the same task text.
+"""Observations for the runner: the safetensors file ``python -m zoo act`` reads (LeRobot's batch keys, the task
+text in its metadata) and the seeded synthetic sequence the policy check drives both the runner and LeRobot's
+policy with (docs/host-loops.md, "Observations").
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
-"""Llama-style family: a decoder in Meta's reference formulation, loaded from an HF-format checkpoint.
-
-The unit is Meta's ``llama/model.py`` written out here: a complex64 ``freqs_cis`` table built with
-``torch.polar`` and sliced to the input's (dynamic) length, ``view_as_complex(x) * freqs_cis`` rotating
-interleaved pairs, RMSNorm, a SwiGLU MLP, grouped-query attention through ``repeat_kv`` and causal SDPA. It is
-the complex-rotary case zoo's rewrites exist for, with real weights from any Llama-architecture checkpoint in
-HF format (``config.json`` + safetensors), e.g. SmolLM2-135M.
-
-HF stores the q/k projection rows in rotate-half order (pair i of a head is rows i and i + head_dim/2); Meta's
-complex formulation pairs rows 2i and 2i+1. ``hf_to_meta_rows`` permutes the rows so both compute the same
-logits (the inverse of the permutation in HF's ``convert_llama_weights_to_hf.py``).
-
-``build_unit`` needs only torch and safetensors (no transformers), so a unit can be built where only the core
-is installed; ``fabricate_checkpoint`` and the eager reference import transformers lazily.
+"""Llama-style family: a decoder in Meta's reference formulation (complex ``freqs_cis`` rotary, RMSNorm, SwiGLU,
+grouped-query attention), loaded from an HF-format checkpoint, whose q/k rows are permuted from HF's rotate-half
+order (docs/ARCHITECTURE.md, "The Llama unit").
 """
 
 from __future__ import annotations
