@@ -94,11 +94,17 @@ def test_a_tag_is_cloned_once_as_a_user_clones_it_and_the_build_points_at_the_cl
     assert len([line for line in (tmp_path / "cmake.log").read_text().splitlines() if line.startswith("-S ")]) == 1
 
 
-def test_a_source_tarball_is_unpacked_for_an_offline_machine(tmp_path, tools):
-    tree = executorch_tree(tmp_path / "pack" / "executorch", "1.2.0")
-    tarball = tmp_path / "executorch-v1.2.0-src.tar.gz"
+def stand_in_tarball(tmp_path: Path, version: str):
+    """A source tarball of a stand-in ExecuTorch tree at ``version``, as a user makes one for an offline machine."""
+    tree = executorch_tree(tmp_path / "pack" / "executorch", version)
+    tarball = tmp_path / f"executorch-v{version}-src.tar.gz"
     with tarfile.open(tarball, "w:gz") as tar:
         tar.add(tree, arcname="executorch")
+    return tree, tarball
+
+
+def test_a_source_tarball_is_unpacked_for_an_offline_machine(tmp_path, tools):
+    tree, tarball = stand_in_tarball(tmp_path, "1.2.0")
     out = tmp_path / "out"
     # This stand-in tree lacks the files zoo's 1.2 patch changes: unpacking is what is checked here.
     done = build({**tools, "ZOO_RUNTIME_PATCHES": "none"}, "--tarball", tarball, out,
@@ -111,10 +117,7 @@ def test_a_source_tarball_is_unpacked_for_an_offline_machine(tmp_path, tools):
 
 
 def test_a_release_source_its_patch_does_not_fit_is_refused_and_leaves_no_source(tmp_path, tools):
-    tree = executorch_tree(tmp_path / "pack" / "executorch", "1.2.0")
-    tarball = tmp_path / "executorch-v1.2.0-src.tar.gz"
-    with tarfile.open(tarball, "w:gz") as tar:
-        tar.add(tree, arcname="executorch")
+    tree, tarball = stand_in_tarball(tmp_path, "1.2.0")
     out = tmp_path / "out"
     done = build(tools, "--tarball", tarball, out, version_file=tree / "version.txt")
     assert done.returncode == 2
