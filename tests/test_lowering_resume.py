@@ -141,6 +141,7 @@ def runs(tmp_path_factory):
             lowering.lower_to_pte(files(attempt.staging), attempt.staging, run.load_recipe(), workers=2,
                                   method_lowering=COUNTED_LOWERING, say=lines.append)
         env.delenv(KILL_METHOD)
+        env.delenv(KILL_AFTER_KEPT)
         failed = RunReport(attempt.staging.path, {"name": "resume-toy"})
         failed.stage("lower", "failed", None, killed.value.message)
         failed.record("status", "failed")
@@ -213,6 +214,7 @@ def lower_killing_every_worker(run: RunFolder, recipe=None):
     """Lower with every worker killing itself at once: what is reused or redone shows before anything compiles."""
     env = pytest.MonkeyPatch()
     env.setenv(KILL_METHOD, "*")
+    env.delenv(KILL_AFTER_KEPT, raising=False)  # at once: no waiting for parts
     try:
         lines = []
         with pytest.raises(LoweringError, match="died"):
