@@ -209,8 +209,9 @@ def test_the_artifact_backend_refuses_every_method_before_loading_any(fake_a100,
     run.path.mkdir()
     run.pte.write_bytes(b"stands in: the extraction below is replaced")
     methods = {"video_step": H200, "action_step": A100}
-    run.io_spec_file.write_text('{"methods": {"video_step": {"inputs": [], "outputs": []}, '
-                                           '"action_step": {"inputs": [], "outputs": []}}}')
+    run.io_spec_file.write_text('{"format": 1, "dtype": "float32", "methods": {"video_step": {"inputs": [], '
+                                '"outputs": []}, "action_step": {"inputs": [], "outputs": []}}, "dynamic": {}, '
+                                '"example_sizes": {}}')
     for m in methods:
         run.write_io_order(m, {"method": m, "input_order": [], "output_order": []})
     from zoo.runtimes import aoti

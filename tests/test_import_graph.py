@@ -338,3 +338,9 @@ def test_the_checker_resolves_relative_and_function_level_imports(tmp_path):
     found = imports_of("zoo.core.mod", source, modules)
     assert [(i.imported, i.in_function) for i in found] == [
         ("zoo.core.atomic", False), ("zoo.core.errors", False), ("zoo.rewrites.result", True), ("zoo.core.report", True)]
+
+
+def test_every_test_module_has_a_basename_of_its_own():
+    # pytest imports test modules by basename (no __init__.py in tests/): two of one name fail the collection.
+    names = [p.name for p in sorted((ROOT / "tests").rglob("test_*.py"))]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
