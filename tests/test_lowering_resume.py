@@ -160,6 +160,7 @@ def runs(tmp_path_factory):
         env.undo()
 
 
+@pytest.mark.e2e  # three real lowerings of three methods: ~3 min of a CI worker (pytest -m e2e)
 def test_the_killed_lowering_keeps_the_two_finished_methods_outside_the_run(runs):
     killed = runs["killed"]
     assert sorted(killed["calls"]) == sorted(METHODS)  # all three started; the third died in its worker
@@ -177,6 +178,7 @@ def test_the_killed_lowering_keeps_the_two_finished_methods_outside_the_run(runs
     assert not any(".lowered" in k for k in killed["after"])
 
 
+@pytest.mark.e2e  # three real lowerings of three methods: ~3 min of a CI worker (pytest -m e2e)
 def test_the_next_lowering_lowers_only_the_method_that_was_killed(runs):
     resumed = runs["resumed"]
     assert resumed["calls"] == [KILLED]
@@ -191,6 +193,7 @@ def test_the_next_lowering_lowers_only_the_method_that_was_killed(runs):
     assert resumed["kept_left"] is False  # assembled: the kept parts are removed
 
 
+@pytest.mark.e2e  # three real lowerings of three methods: ~3 min of a CI worker (pytest -m e2e)
 def test_the_resumed_artifact_is_byte_identical_to_an_uninterrupted_lowering(runs):
     reference, resumed = runs["reference"]["run"], runs["resumed"]["run"]
     assert resumed.pte.read_bytes() == reference.pte.read_bytes()
@@ -225,6 +228,7 @@ def lower_killing_every_worker(run: RunFolder, recipe=None):
         env.undo()
 
 
+@pytest.mark.e2e  # three real lowerings of three methods: ~3 min of a CI worker (pytest -m e2e)
 def test_a_changed_option_invalidates_every_kept_part_and_says_what_changed(runs):
     run = copied_run(runs, "changed-options")
     lines = lower_killing_every_worker(run, run.load_recipe(["lowering.max_mm_configs=3"]))
@@ -235,6 +239,7 @@ def test_a_changed_option_invalidates_every_kept_part_and_says_what_changed(runs
     assert not (run.kept_parts_dir / "observe").exists() and not (run.kept_parts_dir / "act").exists()
 
 
+@pytest.mark.e2e  # three real lowerings of three methods: ~3 min of a CI worker (pytest -m e2e)
 def test_a_changed_program_invalidates_its_part_only(runs):
     run = copied_run(runs, "changed-program")
     run.save_program(export("act", act_sign=-1.0), "rewritten", "act")  # the same weights, another graph
@@ -243,6 +248,7 @@ def test_a_changed_program_invalidates_its_part_only(runs):
     assert "reusing the lowered observe from an earlier lowering that stopped (stamp matches)" in lines
 
 
+@pytest.mark.e2e  # three real lowerings of three methods: ~3 min of a CI worker (pytest -m e2e)
 def test_another_torch_invalidates_the_part_and_names_both_versions(runs):
     run = copied_run(runs, "other-torch")
     stamp_file = run.kept_parts_dir / "observe" / "stamp.json"
@@ -255,6 +261,7 @@ def test_another_torch_invalidates_the_part_and_names_both_versions(runs):
     assert "reusing the lowered act from an earlier lowering that stopped (stamp matches)" in lines
 
 
+@pytest.mark.e2e  # three real lowerings of three methods: ~3 min of a CI worker (pytest -m e2e)
 def test_the_stamp_records_what_the_part_was_lowered_from(runs):
     import hashlib
 
@@ -267,6 +274,7 @@ def test_the_stamp_records_what_the_part_was_lowered_from(runs):
     assert "constant_plan" in stamp["options"] and stamp["options"]["preflight"] is True
 
 
+@pytest.mark.e2e  # three real lowerings of three methods: ~3 min of a CI worker (pytest -m e2e)
 def test_in_process_lowering_resumes_too(runs):
     run = copied_run(runs, "in-process")
     take_calls(runs["calls"])  # the calls of the workers killed in the tests before this one
