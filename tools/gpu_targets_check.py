@@ -29,6 +29,8 @@ from typing import Dict, List, Optional
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: commands run from it (its tests, its recipes)
 
 
+import torch
+
 from zoo.contract import gpu_targets
 from zoo.core.errors import GpuTargetMismatch
 from zoo.core.report import format_table
@@ -140,6 +142,9 @@ def main() -> int:
     parser.add_argument("--targets", nargs="*", default=["a100"], help="GPUs to lower for here besides this one")
     parser.add_argument("--tests", action="store_true", help="also run the targets' test modules (GPU and CPU)")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("[gpu_targets_check] needs a CUDA device: it lowers and verifies on this machine's GPU", file=sys.stderr)
+        return 2
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     device = local_device()

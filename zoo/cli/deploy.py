@@ -22,7 +22,7 @@ from zoo import policies
 from zoo.core.errors import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, RunnerError, ZooError
 from zoo.export.publish.manifest import read_manifest
 from zoo.export.policy_check import checkpoint_in_reach, not_applicable
-from zoo.core.progress import say
+from zoo.core.progress import held_back, say
 from zoo.contract.recipes import PolicyCheck, load_recipe
 from zoo.core.report import format_table
 from zoo.contract.run_folder import RunFolder
@@ -64,10 +64,12 @@ def prompt_main(argv: Optional[Sequence[str]] = None) -> int:
                        "run it on a workstation with the policies extra (pip install 'zoo[policies]'); the robot "
                        "needs only the prompt file it writes")
     out = Path(args.output).expanduser() if args.output else run.prompt_file(args.text)
-    family = policies.load_family(recipe.family)
     start = time.perf_counter()
     say(f"embedding {args.text!r} with {recipe.family}'s own text encoder (eager, CPU) ...")
-    with checkpoint_in_reach(recipe) as checkpoint:
+    # LeRobot, transformers and diffusers print as they load (shard writers, progress bars, deprecations): held
+    # back, and shown only if the embedding fails.
+    with held_back(), checkpoint_in_reach(recipe) as checkpoint:
+        family = policies.load_family(recipe.family)
         policy, _, _ = family.lerobot_policy(checkpoint, recipe, device="cpu")
         embedding = family.embed_prompt(policy, args.text)
     embedding.save(out)
@@ -134,16 +136,17 @@ def act_main(argv: Optional[Sequence[str]] = None) -> int:
                                                   "--example-observation FILE)")
     batch = load_observation(Path(args.observation).expanduser())
     say(f"loading the policy runner for {args.run} ({args.backend} backend) ...")
-    runner = load_runner(args.run, backend=args.backend, device=args.device)
-    try:
-        for path in args.prompt:
-            runner.load_prompt(Path(path).expanduser())
-        say("predicting one action chunk ...")
-        start = time.perf_counter()
-        chunk = runner.predict_action_chunk(batch).detach().to("cpu", torch.float32)
-        seconds = time.perf_counter() - start
-    finally:
-        runner.close()
+    with held_back():  # torch's warnings while loading the programs: shown only if the command fails
+        runner = load_runner(args.run, backend=args.backend, device=args.device)
+        try:
+            for path in args.prompt:
+                runner.load_prompt(Path(path).expanduser())
+            say("predicting one action chunk ...")
+            start = time.perf_counter()
+            chunk = runner.predict_action_chunk(batch).detach().to("cpu", torch.float32)
+            seconds = time.perf_counter() - start
+        finally:
+            runner.close()
     actions = chunk[0] if chunk.ndim == 3 else chunk
     if args.json:
         print(json.dumps(actions.tolist()))

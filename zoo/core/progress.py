@@ -169,17 +169,19 @@ def on_terminal() -> Iterator[None]:
 
 @contextlib.contextmanager
 def held_back(verbose: bool = False) -> Iterator[None]:
-    """Dependency output of a step that runs before the run's log exists (importing a policy family imports
-    lerobot and diffusers, which log as they load) is held back and written into the next ``run_log``; a
-    failure leaving the block prints it to the terminal instead, so nothing is lost."""
+    """Dependency output of a step that runs without a run log (importing a policy family before the log exists;
+    the deploy commands, which write none) is held back: written into the next ``run_log`` if one follows, printed
+    to the terminal if the block fails, so that a failure still shows what the libraries said."""
     if verbose:
         yield
         return
     buffer = io.StringIO()
-    saved_stderr = sys.stderr
+    saved_stderr, saved_stdout, saved_terminal = sys.stderr, sys.stdout, _Output.terminal
+    _Output.terminal = terminal()  # zoo's own lines (say) keep reaching the terminal
     stand_in = _DependencyOutput(buffer, saved_stderr, echo=False)
     redirected = _terminal_handlers(saved_stderr)
     sys.stderr = stand_in
+    sys.stdout = _ZooStdout(saved_stdout, stand_in)
     for h in redirected:
         h.setStream(stand_in)
     failed = False
@@ -189,7 +191,7 @@ def held_back(verbose: bool = False) -> Iterator[None]:
         failed = True
         raise
     finally:
-        sys.stderr = saved_stderr
+        sys.stderr, sys.stdout, _Output.terminal = saved_stderr, saved_stdout, saved_terminal
         # Handlers made inside the block (a library configuring its logger on import) hold the stand-in: they
         # go back to the terminal stream too, where run_log finds and redirects them.
         for h in redirected + _handlers_on(stand_in):
