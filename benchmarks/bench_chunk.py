@@ -10,6 +10,7 @@ benchmarks/README.md, "bench_chunk.py"; the code it runs is zoo.bench.chunk.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import shlex
 import sys
@@ -20,8 +21,10 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from zoo import bench, policies
+from zoo.bench import roofline
 from zoo.bench.chunk import (POLICIES, TARGETS, check_passed, policy_check, policy_check_section, policy_source,
-                             record_timings, refuse_unverified, say, table_rows, time_candidates, write)
+                             ratio_lines, record_timings, refuse_unverified, checked_here, say, table_rows, time_candidates, write)
+from zoo.bench.chunk_runners import floor_rows
 from zoo.contract import chunk_latency
 from zoo.contract.recipes import load_recipe
 from zoo.contract.run_folder import RunFolder
@@ -48,16 +51,19 @@ def lower_policy(family: str, recipe, run: RunFolder, checkpoint: Path, weights:
         rewritten = pipeline.rewrite_step(programs, recipe, report)
         del programs
         gc.collect()
+        # The rewritten programs stay in the run: the pytorch candidate and the roofline's FLOP count read them,
+        # and the lowering workers load them from there (each program saved once).
+        pipeline.save_step(rewritten, recipe, run, report)
         if torch.device(device).type == "cuda":
-            # lower_step runs the kernel preflight on each method's own edge program: no second to_edge here.
-            gpu_steps.lower_step(rewritten, run, recipe, report, consume=True)
+            files = {m: run.program("rewritten", m) for m in rewritten}
             del rewritten
             gc.collect()
+            # lower_step runs the kernel preflight on each method's own edge program: no second to_edge here.
+            gpu_steps.lower_step(files, run, recipe, report)
             say(f"{family}: verify the artifact (bf16 rule against the float32 unit, on {device})")
             gpu_steps.verify_unit_step(run, recipe, report, unit, device=device)
             report.record("status", "verified")
         else:
-            pipeline.save_step(rewritten, recipe, run, report)
             report.record("status", "lowered")
     finally:
         run.write_report(report)
@@ -73,7 +79,8 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
     record: Dict[str, Any] = {"policy": family, "recipe": recipe.name, "dtype": recipe.unit.dtype,
                               "candidates": {}}
     results["policies"].append(record)
-    have = run.pte.is_file() if args.backend == "artifact" else run.program("rewritten", recipe.unit.methods[0]).is_file()
+    have = (run.program("rewritten", recipe.unit.methods[0]).is_file() if args.backend == "eager"
+            else run.pte.is_file())
     try:
         with policy_source(family, recipe, work, results["settings"]) as (checkpoint, weights):
             if not have and args.only not in ("bench", "check"):
@@ -87,7 +94,7 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
                 record["status"] = "checked"
                 policy_check(family, recipe, run, checkpoint, weights, args, record)
                 return
-            refuse_unverified(run, args.backend)
+            refuse_unverified(run, args.backend, checked=checked_here(out, family))
             time_candidates(family, recipe, run, checkpoint, weights, args, record)
             if args.policy_check:
                 gc.collect()
@@ -119,8 +126,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "the policy check of an already-lowered run only")
     p.add_argument("--policy-check", action="store_true",
                    help="after the timing, zoo's policy check of the run (bf16 rule for a bf16 unit)")
-    p.add_argument("--backend", choices=("artifact", "eager"), default="artifact",
-                   help="the runner's backend (eager: the rewritten programs, for a CPU check of this script)")
+    p.add_argument("--backend", choices=("artifact", "executorch", "eager"), default="artifact",
+                   help="the runner's backend (executorch: ExecuTorch's runtime, $ZOO_ET_RUNNER; eager: the rewritten "
+                        "programs, for a CPU check of this script)")
+    p.add_argument("--executorch", action="store_true",
+                   help="also time the runner on ExecuTorch's runtime ($ZOO_ET_RUNNER), side by side")
+    p.add_argument("--pytorch", action="store_true",
+                   help="also time the strongest PyTorch: the rewritten steps compiled whole, CUDA graphs, state in "
+                        "place (zoo.bench.graphed), driven by the same host loop")
+    p.add_argument("--no-roofline", dest="roofline", action="store_false",
+                   help="skip the call-by-call episode that gives each method's and chunk's floor")
     p.add_argument("--no-compile", action="store_true", help="skip the LeRobot torch.compile candidate")
     p.add_argument("--tiny", action="store_true", help="the tiny recipes instead (checks this script)")
     p.add_argument("--seeded", action="store_true",
@@ -144,6 +159,11 @@ def main(argv: Optional[List[str]] = None) -> int:
                          "real size (model cards quote it); give --record another file for this run")
     out = args.out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
+    measured_rates = None
+    if args.roofline and args.only not in ("lower", "check"):
+        say(f"the device's copy bandwidth and GEMM rate, for the roofline ({args.device})")
+        args.rates, measured_rates = roofline.measure_rates(
+            args.device, *((1 << 30, 8192) if torch.device(args.device).type == "cuda" else (1 << 26, 512)))
     command = "python benchmarks/bench_chunk.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     results: Dict[str, Any] = {"command": command, "environment": bench.environment(args.device),
                                "settings": {"chunks": args.chunks, "episodes": args.episodes, "seed": args.seed,
@@ -151,11 +171,17 @@ def main(argv: Optional[List[str]] = None) -> int:
                                             "only": args.only,
                                             "policy_check": args.policy_check or args.only == "check"},
                                "targets": TARGETS, "policies": []}
+    if measured_rates:
+        results["rates"] = {**dataclasses.asdict(args.rates), **measured_rates}
     for family in args.policies:
         bench_policy(family, args, out, results)
         write(results, out)
     if args.only != "check":
         print(format_table(table_rows(results)))
+        for line in ratio_lines(results):
+            print(line)
+        if results.get("rates"):
+            print(format_table(floor_rows(results)))
         if args.record is not None:
             record_timings(results, args, command)
     for line in policy_check_section(results):

@@ -295,3 +295,24 @@ def test_stamp_differences_name_each_field():
     assert stamp_differences(kept, now) == ["program changed", "lowering options changed: triton_kernel_mode",
                                             "torch 2.11.0 -> 2.12.0",
                                             "GPU NVIDIA H200 (sm_90) -> NVIDIA H100 (sm_90)"]
+
+
+def test_the_kept_parts_go_before_the_weights_are_extracted_again(tmp_path, monkeypatch):
+    """Kept parts are hard links of the parts: removed only after the extraction, they would hold a second copy of
+    every method's weights on disk while ``so/`` is written (a real-size lowering ran out of a 64 GiB disk so)."""
+    from zoo.export.lower import outputs
+    from zoo.export.lower.workers import MethodPart
+
+    order = []
+
+    class Assembled:
+        data_files = {}
+
+    monkeypatch.setattr(outputs, "assemble_program", lambda *a, **k: order.append("assemble") or Assembled())
+    monkeypatch.setattr(outputs, "extract_method_files", lambda *a, **k: order.append("extract") or {})
+    io = {"input_names": ["x"], "output_names": ["y"], "input_order": [0], "output_order": [0]}
+    part = MethodPart("act", tmp_path / "act.pte", {}, {"io": io}, 1.0, None)
+    with pytest.raises(LoweringError, match="has no act"):
+        outputs.write_artifacts({"act": part}, RunFolder(tmp_path / "run"), {},
+                                assembled_hook=lambda: order.append("kept parts removed"))
+    assert order == ["assemble", "kept parts removed", "extract"]

@@ -299,7 +299,7 @@ def test_card_quotes_the_recipes_measured_chunk_latency(tmp_path, monkeypatch):
     assert "| `zoo.runner` on this artifact (torch's AOTI runner) | 412.3 (401.0-430.0) | 38.8 |" in card
     assert "| LeRobot's `select_action`, eager PyTorch | 2061.7 (2000.0-2100.0) | 7.8 |" in card
     assert "| LeRobot's `select_action`, DiT blocks `torch.compile`d | not measured | - |" in card
-    assert "Runner / eager: 0.20; runner / torch.compile: n/a." in card
+    assert "runner / eager: 0.20; runner / torch.compile: n/a." in card
     assert "`python benchmarks/bench_chunk.py --policies lingbot_va`" in card
 
 

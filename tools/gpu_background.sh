@@ -86,8 +86,10 @@ if want real; then
 fi
 if want runtime; then
   src=("$ET_SRC"); [ -f "$ET_SRC" ] && src=(--tarball "$ET_SRC")
-  # 6 compile jobs: the real-size lowering holds most of the host's memory.
-  "$J" start "$WORK" runtime --nice --limit 900 -- bash scripts/build_runtime.sh "${src[@]}" "$WORK/runtime" --jobs 6
+  # 6 compile jobs beside a real-size lowering, which holds most of the host's memory; the chunk job's lowering
+  # waits for this build, so then it takes every core.
+  build_jobs=6; want real || build_jobs="$(nproc)"
+  "$J" start "$WORK" runtime --nice --limit 900 -- bash scripts/build_runtime.sh "${src[@]}" "$WORK/runtime" --jobs "$build_jobs"
 fi
 want tiny && "$J" start "$WORK" tiny --nice --limit 900 -- env ZOO_SITE="$WORK/check-site" ZOO_RUNS="$RUNS" \
   bash tools/gpu_check.sh "$BUNDLE" "${TINY[@]}"
@@ -104,14 +106,26 @@ if want tiny-bf16; then
 fi
 if want chunk; then
   after=(); want real && after=(--after real)
+  # The lowering verifies on both runtimes when the runtime job built zoo_runner (it waits for that job).
+  want runtime && after=(--after "$(want real && echo real,)runtime")
   bench_chunk=(benchmarks/bench_chunk.py --out "$WORK/chunk" --policies "$CHUNK_POLICY")
   chunk() { in_env python3 "${bench_chunk[@]}" "$@"; }
+  no_runner='{ [ -x "$ZOO_ET_RUNNER" ] || unset ZOO_ET_RUNNER; }'
+  et=(); want runtime && et=(--executorch)
   # Each lowering worker writes its own sampled profile there (zoo.export.lower.workers.ENV_PROFILE_DIR).
-  "$J" start "$WORK" chunk-lower "${after[@]}" --limit 1500 -- bash -c "$(in_env env \
+  "$J" start "$WORK" chunk-lower "${after[@]}" --limit 1500 -- bash -c "$(in_env "$no_runner" \&\& env \
     ZOO_LOWERING_PROFILE_DIR="$WORK/chunk/profiles" python3 -m zoo.core.sampling_profiler \
     --out "$WORK/chunk/lower-profile.txt" "${bench_chunk[@]}" --only lower)"
-  "$J" start "$WORK" chunk-check --after chunk-lower --limit 900 -- bash -c "$(chunk --only check)"
-  "$J" start "$WORK" chunk-bench --after chunk-check --limit 1200 -- bash -c "$(chunk --only bench --record) && cp \
-zoo/data/chunk_latency.json \"$WORK/chunk/recorded_chunk_latency.json\""
+  "$J" start "$WORK" chunk-bench --after chunk-lower --limit 1200 -- bash -c "$(chunk --only bench --pytorch "${et[@]}" \
+    --episodes 2 --record) && cp zoo/data/chunk_latency.json \"$WORK/chunk/recorded_chunk_latency.json\""
+  if want runtime; then
+    # zoo's policy check through ExecuTorch's runtime, then every method on both runtimes, one by one.
+    "$J" start "$WORK" chunk-check --after chunk-bench --limit 900 -- bash -c "$(chunk --only check --backend executorch)"
+    "$J" start "$WORK" chunk-methods --after chunk-check --limit 600 -- bash -c "$(in_env python3 \
+      benchmarks/gpu_runtime_check.py "$WORK/chunk/$CHUNK_POLICY/run" --no-verify --steps 0 --latency all --memory --runner "$RUNNER" \
+      --out "$WORK/chunk/methods")"
+  else
+    "$J" start "$WORK" chunk-check --after chunk-bench --limit 900 -- bash -c "$(chunk --only check)"
+  fi
 fi
 "$J" table "$WORK"

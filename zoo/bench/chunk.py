@@ -20,7 +20,9 @@ import torch
 
 from zoo import policies
 from zoo.bench.candidates import error_line
+from zoo.bench.chunk_runners import RUNNER_LABELS, floor_rows, make_runner, sync, time_runner
 from zoo.bench.measuring import Stats
+from zoo.bench.roofline import ProgramCosts, Rates
 from zoo.bench.seeded import fast_wam_config, placeholder_checkpoint, write_seeded_processors
 from zoo.contract import chunk_latency
 from zoo.contract.run_folder import RunFolder
@@ -29,7 +31,6 @@ from zoo.export.hub_cache import hub_environment, put_in_cache
 from zoo.export.policy_check import check_run, checkpoint_in_reach
 from zoo.policies import fast_init
 from zoo.policies.tiny_wan import real_size_wan22_vae
-from zoo.runner import load as load_runner
 from zoo.runner.check import ProcessedPolicy
 from zoo.runner.loading import RUNNERS
 from zoo.runner.observations import synthetic_observations
@@ -37,7 +38,9 @@ from zoo.runner.observations import synthetic_observations
 POLICIES = {"lingbot_va": ("lingbot-va", "lingbot-va-tiny"), "fast_wam": ("fast-wam", "fast-wam-tiny")}
 # Where each family's DiT blocks are, for the torch.compile candidate.
 COMPILED_BLOCKS = {"lingbot_va": "transformer.blocks", "fast_wam": "model.mot.layers"}
-TARGETS = {"runner/eager": 0.5, "runner/compile": 1.0}
+# Chunk-latency targets, each a ratio of two chunk medians (floor: the runner's chunk floor, zoo.bench.roofline).
+TARGETS = {"runner/eager": 0.5, "runner/compile": 1.0, "runner/pytorch": 0.7, "executorch/runner": 1.05,
+           "runner/floor": 2.0}
 JSON_NAME, MD_NAME = "chunk_latency.json", "chunk_latency.md"
 # --only check writes its own files, so that it does not overwrite an earlier --only bench's timing.
 CHECK_JSON_NAME, CHECK_MD_NAME = "policy_check.json", "policy_check.md"
@@ -139,11 +142,6 @@ def policy_source(family: str, recipe, work: Path, settings: Mapping[str, Any]) 
 # Timing
 
 
-def sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def time_episodes(policy: Any, observations: List[dict], chunk_starts: List[int], episodes: int, seed: int,
                   device: str) -> Dict[str, Any]:
     """One untimed episode, then ``episodes`` timed ones: per select_action call, synchronised wall time."""
@@ -215,54 +213,92 @@ def compile_blocks(policy: Any, family: str) -> int:
     return len(blocks)
 
 
-def refuse_unverified(run: RunFolder, backend: str) -> None:
-    """Raise unless the artifact the artifact runner would time passed verification."""
-    if backend == "artifact" and run.status() != "verified":
+def refuse_unverified(run: RunFolder, backend: str, checked: bool = False) -> None:
+    """Raise unless the artifact a runner would time passed verification, or (``checked``) zoo's policy check on
+    this backend in the same output folder: the whole policy through the artifact against LeRobot."""
+    if backend in ("artifact", "executorch") and run.status() != "verified" and not checked:
         # A latency is worth quoting only for an artifact that computes what the policy does.
         raise RuntimeError(f"the artifact in {run.path} has not passed verification (report status "
-                           f"{run.status()!r}): nothing is timed on it; lower and verify it first "
-                           "(--only lower), or run --only check to see how its actions differ")
+                           f"{run.status()!r}) nor the policy check on the {backend} backend here: nothing is timed "
+                           "on it; lower and verify it first (--only lower), or run --only check")
+
+
+def checked_here(out: Path, family: str) -> bool:
+    """Whether ``--only check`` in ``out`` passed for this policy on one of the artifact's runtimes (both run the
+    same compiled kernels)."""
+    path = out / CHECK_JSON_NAME
+    if not path.is_file():
+        return False
+    results = json.loads(path.read_text())
+    return results.get("settings", {}).get("backend") in ("artifact", "executorch") and any(
+        r.get("policy") == family and (r.get("policy_check") or {}).get("status") == "passed"
+        for r in results.get("policies", []))
 
 
 def time_candidates(family: str, recipe, run: RunFolder, checkpoint: Path, weights: Callable, args,
                     record: Dict[str, Any]) -> None:
-    """The runner, LeRobot eager and (unless ``--no-compile``) LeRobot torch.compile driven through the same
-    seeded observations; their timings and the runner's distance from LeRobot eager go into ``record``."""
+    """The runner candidates (the runner on ``--backend``, then ``--executorch`` and ``--pytorch``), LeRobot eager
+    and (unless ``--no-compile``) LeRobot torch.compile driven through the same seeded observations; their
+    timings, their roofline and their distance from LeRobot eager go into ``record``."""
     settings = run.read_host_settings()
     steps = RUNNERS[settings.policy_type].episode_steps(settings, args.chunks)
     observations = synthetic_observations(settings, steps, args.seed, recipe.policy_check.task)
     fam = policies.load_family(family)
-    runner = load_runner(run, backend=args.backend, device=args.device)
     with weights():
         policy, pre, post = fam.lerobot_policy(checkpoint, recipe, device=args.device)
     embedding = fam.embed_prompt(policy, recipe.policy_check.task)
-    runner.prompts[embedding.task] = embedding
     if family == "fast_wam":
-        pre = context_in_the_batch(embedding, observations, pre, runner)
-    starts = chunk_starts_of(runner, observations, args.seed)
-    record["actions_per_chunk"] = starts[2] - starts[1]
-    record["chunk_starts"] = starts
+        for obs in observations:  # the context goes in past the preprocessors, on both sides
+            del obs["task"]
+        pre = WithContext(pre, fast_wam_context(embedding))
+    costs = ProgramCosts(run) if args.roofline else None
+    rates: Optional[Rates] = getattr(args, "rates", None)
     timed: Dict[str, Dict[str, Any]] = {}
-    say(f"{family}: runner ({args.backend})")
-    timed["runner"] = time_episodes(runner, observations, starts, args.episodes, args.seed, args.device)
-    runner.close()
-    del runner  # its GPU memory back before LeRobot's policy is timed
-    gc.collect()
+    starts: List[int] = []
+    for candidate in runner_candidates(args):
+        say(f"{family}: {candidate} ({RUNNER_LABELS[candidate]})")
+        try:
+            runner = make_runner(candidate, run, args.backend, args.device)
+        except Exception as exc:  # a candidate that cannot load is a result of its own; the others stand
+            if candidate == "runner":
+                raise
+            record["candidates"][candidate] = {"error": error_line(exc)}
+            continue
+        try:
+            runner.prompts[embedding.task] = embedding
+            if family == "fast_wam":
+                runner.preprocessor = WithContext(runner.preprocessor, fast_wam_context(embedding))
+            if not starts:
+                starts = chunk_starts_of(runner, observations, args.seed)
+                record["actions_per_chunk"] = starts[2] - starts[1]
+                record["chunk_starts"] = starts
+            timed[candidate] = time_runner(candidate, runner, observations, starts, args, costs,
+                                           rates, time_episodes)
+        except Exception as exc:
+            if candidate == "runner":
+                raise
+            record["candidates"][candidate] = {"error": error_line(exc), "traceback": traceback.format_exc(limit=8)}
+        finally:
+            runner.close()
+            del runner  # its GPU memory back before the next candidate
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    if costs is not None:
+        costs.close()
     timed.update(time_lerobot(family, ProcessedPolicy(policy, pre, post), policy, observations, starts, args,
                               record))
     judge(timed, record)
 
 
-def context_in_the_batch(embedding, observations: List[dict], preprocessor: Callable, runner) -> Callable:
-    """Fast-WAM's prompt context on both sides, added past the preprocessor (LeRobot's pipeline drops extra keys):
-    UMT5 out of the timed work, and the task text out of the batch (LeRobot takes one or the other). Returns the
-    LeRobot side's preprocessor."""
-    context = {"context": embedding.tensors["context"], "context_mask": embedding.tensors["context_mask"]}
-    for obs in observations:
-        del obs["task"]
-    wrapped = WithContext(preprocessor, context)
-    runner.preprocessor = WithContext(runner.preprocessor, context)
-    return wrapped
+def runner_candidates(args) -> List[str]:
+    return ["runner"] + (["executorch"] if args.executorch else []) + (["pytorch"] if args.pytorch else [])
+
+
+def fast_wam_context(embedding) -> Dict[str, torch.Tensor]:
+    """Fast-WAM's prompt context, added past the preprocessor on both sides (LeRobot's pipeline drops extra keys):
+    UMT5 out of the timed work, and the task text out of the batch (LeRobot takes one or the other)."""
+    return {"context": embedding.tensors["context"], "context_mask": embedding.tensors["context_mask"]}
 
 
 def time_lerobot(family: str, reference: ProcessedPolicy, policy: Any, observations: List[dict],
@@ -284,12 +320,17 @@ def time_lerobot(family: str, reference: ProcessedPolicy, policy: Any, observati
 
 
 def judge(timed: Dict[str, Dict[str, Any]], record: Dict[str, Any]) -> None:
-    """The candidates' numbers, their ratios and the runner's distance from LeRobot eager into ``record``."""
+    """The candidates' numbers, their ratios and each runner candidate's distance from LeRobot eager into
+    ``record``."""
     for name, t in timed.items():
         record["candidates"][name] = {k: v for k, v in t.items() if k != "actions"}
-    # How far the runner's actions are from LeRobot eager's on the timed episode (same seed and weights).
-    diff = timed["runner"]["actions"] - timed["eager"]["actions"]
-    record["runner_vs_eager_rel_l2"] = float(diff.norm() / timed["eager"]["actions"].norm())
+    # How far each runner's actions are from LeRobot eager's on the timed episode (same seed and weights).
+    reference = timed["eager"]["actions"]
+    for name in ("runner", "executorch", "pytorch"):
+        if name in timed:
+            diff = timed[name]["actions"] - reference
+            record["candidates"][name]["vs_eager_rel_l2"] = float(diff.norm() / reference.norm())
+    record["runner_vs_eager_rel_l2"] = record["candidates"]["runner"]["vs_eager_rel_l2"]
     record["ratios"] = ratios(record["candidates"])
     record["status"] = "done"
     nonfinite = int((~torch.isfinite(timed["runner"]["actions"])).sum())
@@ -328,50 +369,70 @@ def check_passed(record: Dict[str, Any]) -> bool:
 
 
 def ratios(candidates: Dict[str, Dict[str, Any]]) -> Dict[str, Optional[float]]:
+    """Each ratio of TARGETS whose two chunk medians were measured (``floor``: the runner's chunk floor)."""
     def median(name: str) -> Optional[float]:
+        if name == "floor":
+            return (((candidates.get("runner") or {}).get("roofline") or {}).get("chunk") or {}).get("floor_ms")
         return ((candidates.get(name) or {}).get("chunk_ms") or {}).get("median")
 
-    runner = median("runner")
-    return {"runner/eager": runner / median("eager") if runner and median("eager") else None,
-            "runner/compile": runner / median("compile") if runner and median("compile") else None}
+    out: Dict[str, Optional[float]] = {}
+    for key in TARGETS:
+        top, bottom = (median(part) for part in key.split("/"))
+        out[key] = top / bottom if top and bottom else None
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------
 # Rendering
 
 
+CANDIDATE_ORDER = ("runner", "executorch", "pytorch", "eager", "compile")
+LEROBOT_LABELS = {"eager": "LeRobot select_action, eager", "compile": "LeRobot select_action, DiT blocks compiled"}
+
+
 def table_rows(results: Dict[str, Any]) -> List[List[str]]:
-    rows = [["policy", "actions/chunk", "runner ms", "eager ms", "compile ms", "runner/eager", "runner/compile",
-             "actions/s runner", "actions/s eager", "actions/s compile", "runner vs eager rel L2"]]
-
-    def ms(c: Dict[str, Any]) -> str:
-        if c.get("error"):
-            return "failed"
-        s = c.get("chunk_ms")
-        return f"{s['median']:.1f} (p10 {s['p10']:.1f}, p90 {s['p90']:.1f})" if s else "-"
-
-    def aps(c: Dict[str, Any]) -> str:
-        v = c.get("actions_per_second")
-        return f"{v:.1f}" if v else "-"
-
-    def ratio(value: Optional[float], key: str) -> str:
-        if value is None:
-            return "-"
-        return f"{value:.2f}x ({'meets' if value <= TARGETS[key] else 'misses'} <= {TARGETS[key]})"
-
+    """One row per policy and candidate: the chunk's median, actions per second, agreement with LeRobot eager,
+    the chunk's floor and the ratio to it."""
+    rows = [["policy", "candidate", "ms per chunk (p10, p90)", "actions/s", "vs LeRobot eager rel L2", "floor ms",
+             "/floor"]]
     for r in results["policies"]:
         if r.get("status") == "checked":
             continue  # the policy check alone: its own section
         if r.get("status") != "done":
-            rows.append([r["policy"], r.get("status", "?"), r.get("error", "")] + [""] * 8)
+            rows.append([r["policy"], r.get("status", "?"), r.get("error", "")] + [""] * 4)
             continue
-        c = r["candidates"]
-        rows.append([f"{r['policy']} ({r['dtype']})", str(r["actions_per_chunk"]), ms(c.get("runner", {})),
-                     ms(c.get("eager", {})), ms(c.get("compile", {})),
-                     ratio(r["ratios"]["runner/eager"], "runner/eager"),
-                     ratio(r["ratios"]["runner/compile"], "runner/compile"), aps(c.get("runner", {})),
-                     aps(c.get("eager", {})), aps(c.get("compile", {})), f"{r['runner_vs_eager_rel_l2']:.2e}"])
+        for name in CANDIDATE_ORDER:
+            c = r["candidates"].get(name)
+            if c is None:
+                continue
+            rows.append([f"{r['policy']} ({r['dtype']}, {r['actions_per_chunk']} actions)", name] + _cells(c))
     return rows
+
+
+def _cells(c: Dict[str, Any]) -> List[str]:
+    if c.get("error"):
+        return [f"failed: {c['error']}"[:120], "", "", "", ""]
+    s = c.get("chunk_ms")
+    aps = c.get("actions_per_second")
+    rel = c.get("vs_eager_rel_l2")
+    floor = ((c.get("roofline") or {}).get("chunk") or {}).get("floor_ms")
+    return [f"{s['median']:.1f} ({s['p10']:.1f}, {s['p90']:.1f})" if s else "-", f"{aps:.1f}" if aps else "-",
+            f"{rel:.2e}" if rel is not None else "-", f"{floor:.1f}" if floor else "-",
+            f"{s['median'] / floor:.2f}x" if s and floor else "-"]
+
+
+def ratio_lines(results: Dict[str, Any]) -> List[str]:
+    """Each timed policy's ratios against their targets, one line each."""
+    lines = []
+    for r in results["policies"]:
+        if r.get("status") != "done":
+            continue
+        parts = []
+        for key, value in (r.get("ratios") or {}).items():
+            if value is not None:
+                parts.append(f"{key} {value:.2f}x ({'meets' if value <= TARGETS[key] else 'misses'} <= {TARGETS[key]})")
+        lines.append(f"{r['policy']}: " + ("; ".join(parts) or "no ratio measured"))
+    return lines
 
 
 def write(results: Dict[str, Any], out: Path) -> None:
@@ -384,9 +445,23 @@ def write(results: Dict[str, Any], out: Path) -> None:
     md = [f"# {title}", "",
           f"Command: `{results['command']}`", "",
           f"GPU: {env.get('gpu') or env.get('device')}; torch {env.get('torch')}; executorch {env.get('executorch')}.",
-          ""] + ([] if check_only else [markdown_table(table_rows(results)), ""])
+          ""] + ([] if check_only else [markdown_table(table_rows(results)), ""] + ratio_lines(results) + [""]
+                 + roofline_section(results))
     md += policy_check_section(results)
     (out / md_name).write_text("\n".join(md))
+
+
+def roofline_section(results: Dict[str, Any]) -> List[str]:
+    """The rates the floors were worked out with, and the per-method table."""
+    rates = results.get("rates")
+    if not rates:
+        return []
+    return ["## The roofline: each call's floor", "",
+            f"Measured in this run: device copy {rates['copy_gbps']:.0f} GB/s (read + written), dense "
+            f"{rates['gemm']['dtype']} GEMM {rates['gemm_tflops']:.0f} TFLOP/s ({rates['gemm']['size']}^3). "
+            "A call's floor is the larger of the bytes it must move (weights, inputs, outputs that are not state "
+            "handed back) over the first and its FLOPs over the second (zoo.bench.roofline).", "",
+            markdown_table(floor_rows(results)), ""]
 
 
 def policy_check_section(results: Dict[str, Any]) -> List[str]:

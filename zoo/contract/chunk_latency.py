@@ -7,8 +7,10 @@ that run (docs/benchmarks.md). An artifact's card names the recipe's entry, its 
 measured.
 
 An entry: ``gpu``, ``measured`` (date), ``command``, ``dtype``, ``actions_per_chunk``, ``weights`` (how they were
-made), and per candidate (``runner``, ``eager``, ``compile``) ``median_ms``, ``p10_ms``, ``p90_ms`` and
-``actions_per_second``; ``ratios`` (``runner/eager``, ``runner/compile``).
+made), and per candidate (``runner``, ``executorch``, ``pytorch``, ``eager``, ``compile``: those that were timed)
+``median_ms``, ``p10_ms``, ``p90_ms`` and ``actions_per_second``; ``floor_ms``, the chunk's hardware floor
+(``zoo.bench.roofline``; None when not worked out); ``ratios`` (those of ``zoo.bench.chunk.TARGETS`` that were
+measured: ``runner/eager``, ``runner/compile``, ``runner/pytorch``, ``executorch/runner``, ``runner/floor``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Dict, Mapping, Optional
 from zoo.core import atomic
 
 MEASURED_JSON = Path(__file__).resolve().parents[1] / "data" / "chunk_latency.json"
-CANDIDATES = ("runner", "eager", "compile")
+CANDIDATES = ("runner", "executorch", "pytorch", "eager", "compile")
 
 
 def read_measured(path: Optional[Path] = None) -> Dict[str, Dict[str, Any]]:
@@ -47,8 +49,11 @@ def entry_from_bench(record: Mapping[str, Any], *, gpu: str, command: str, measu
             candidates[name] = {"median_ms": round(ms["median"], 3), "p10_ms": round(ms["p10"], 3),
                                 "p90_ms": round(ms["p90"], 3),
                                 "actions_per_second": round(stats.get("actions_per_second") or 0.0, 1)}
+    floor = ((((record.get("candidates") or {}).get("runner") or {}).get("roofline") or {}).get("chunk") or {}
+             ).get("floor_ms")
     return {"gpu": gpu, "measured": measured, "command": command, "dtype": record.get("dtype"),
             "actions_per_chunk": record.get("actions_per_chunk"), "weights": weights, "candidates": candidates,
+            "floor_ms": round(floor, 3) if floor else None,
             "ratios": {k: (round(v, 4) if v is not None else None) for k, v in (record.get("ratios") or {}).items()}}
 
 

@@ -87,8 +87,8 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
                                               workers=workers, target_plan=target_plan, store=store,
                                               method_lowering=method_lowering, consume=consume, say=say)
         del in_memory
-        methods_record, ptd_summary = write_artifacts(parts, run, stage_seconds)
-        store.remove()  # assembled: nothing of this run is left to resume
+        # Assembled: nothing of this run is left to resume, and the kept parts' disk is wanted back.
+        methods_record, ptd_summary = write_artifacts(parts, run, stage_seconds, assembled_hook=store.remove)
         # What was asked, read back from the binary: every kernel carries SASS for the target.
         check_lowered(target_plan, {m: run.path / a.so for m, a in methods_record.items()})
         preflights = [PreflightResult.from_dict(p.record["preflight"]) for p in parts.values()

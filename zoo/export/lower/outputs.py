@@ -9,7 +9,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch.export import ExportedProgram
@@ -145,10 +145,12 @@ def program_files(programs: Mapping[str, Union[ExportedProgram, Path]], folder: 
     return files, saved
 
 
-def write_artifacts(parts: Mapping[str, MethodPart], run: RunFolder, stage_seconds: Dict[str, float]
+def write_artifacts(parts: Mapping[str, MethodPart], run: RunFolder, stage_seconds: Dict[str, float],
+                    assembled_hook: Callable[[], None] = lambda: None
               ) -> Tuple[Dict[str, MethodArtifact], Optional[Dict[str, Any]]]:
     """The I/O orders into ``so/``, the parts merged into model.pte + .ptd (the .pte last), the parts' files
-    deleted, each method's .so and weights extracted; returns the MethodArtifacts and what the .ptd holds."""
+    deleted and ``assembled_hook`` called, each method's .so and weights extracted; returns the MethodArtifacts
+    and what the .ptd holds."""
     for method, part in parts.items():
         if not part.record.get("io"):
             raise LoweringError(f"the lowering of method {method!r} recorded no delegate I/O order",
@@ -160,6 +162,9 @@ def write_artifacts(parts: Mapping[str, MethodPart], run: RunFolder, stage_secon
     for part in parts.values():  # disk: each part's .ptd holds its method's whole weights
         for path in [part.pte, *part.data_files.values()]:
             path.unlink(missing_ok=True)
+    # Before the extraction writes the methods' weights out again: kept parts are hard links of the parts, so
+    # at real size (~10 GB a method) they would otherwise hold a second copy of every method's weights on disk.
+    assembled_hook()
     mark = time.perf_counter()
     files = extract_method_files(run.pte, run.ptd if run.ptd.exists() else None, run.so_dir)
     stage_seconds["extract"] = round(time.perf_counter() - mark, 3)

@@ -209,6 +209,8 @@ def chunk_latency_section(manifest: Mapping[str, Any]) -> List[str]:
             "encode, every DiT step, classifier-free guidance, the host loop; the prompt's text embedding is made "
             f"once, outside). Command: `{entry.get('command')}`.", ""]
     labels = {"runner": "`zoo.runner` on this artifact (torch's AOTI runner)",
+              "executorch": "`zoo.runner` on this artifact (ExecuTorch's runtime)",
+              "pytorch": "the strongest PyTorch: whole steps `torch.compile`d, CUDA graphs, state in place",
               "eager": "LeRobot's `select_action`, eager PyTorch",
               "compile": "LeRobot's `select_action`, DiT blocks `torch.compile`d"}
     table = [["", "ms per chunk: median (p10-p90)", "actions per second"]]
@@ -216,9 +218,15 @@ def chunk_latency_section(manifest: Mapping[str, Any]) -> List[str]:
         c = (entry.get("candidates") or {}).get(key)
         table.append([label, f"{c['median_ms']:.1f} ({c['p10_ms']:.1f}-{c['p90_ms']:.1f})" if c else "not measured",
                       f"{c['actions_per_second']:.1f}" if c else "-"])
+    if entry.get("floor_ms"):
+        table.append(["the hardware floor (weights and state read once per call, at the measured bandwidth)",
+                      f"{entry['floor_ms']:.1f}", "-"])
     out += [markdown_table(table), ""]
-    out += [f"Runner / eager: {_num(ratios.get('runner/eager'), '.2f')}; runner / torch.compile: "
-            f"{_num(ratios.get('runner/compile'), '.2f')}.", ""]
+    named = {"runner/eager": "runner / eager", "runner/compile": "runner / torch.compile",
+             "runner/pytorch": "runner / the strongest PyTorch", "executorch/runner": "ExecuTorch's runtime / runner",
+             "runner/floor": "runner / floor"}
+    out += ["; ".join(f"{label}: {_num(ratios.get(key), '.2f')}" for key, label in named.items()
+                      if key in ("runner/eager", "runner/compile") or ratios.get(key) is not None) + ".", ""]
     return out
 
 
