@@ -34,7 +34,8 @@ class EpisodeRow:
     steps: int
     worst_action_rel_l2: float
     first_step_beyond: Optional[int]  # None: every step within the rule
-    final_state_max_abs: float
+    worst_state_max_abs: float  # over every observation the policies acted on
+    final_state_max_abs: float  # the last one (after it the vector env resets itself: that one is not compared)
     final_image_max_abs: float
     zoo_success: bool
     lerobot_success: bool
@@ -53,12 +54,14 @@ class ClosedLoopResult:
         return bool(self.rows) and all(r.first_step_beyond is None for r in self.rows)
 
     def table(self) -> str:
-        rows = [["episode", "seed", "steps", "worst action rel L2", "first step beyond", "final state max|diff|",
+        rows = [["episode", "seed", "steps", "worst action rel L2", "first step beyond", "worst state max|diff|",
+                 "final state max|diff|",
                  "final image max|diff|", "state travel", "success zoo / LeRobot"]]
         for r in self.rows:
             rows.append([r.episode, r.seed, r.steps, f"{r.worst_action_rel_l2:.3e}",
                          "none" if r.first_step_beyond is None else r.first_step_beyond,
-                         f"{r.final_state_max_abs:.3e}", f"{r.final_image_max_abs:.3e}", f"{r.state_travel:.1f}",
+                         f"{r.worst_state_max_abs:.3e}", f"{r.final_state_max_abs:.3e}",
+                         f"{r.final_image_max_abs:.3e}", f"{r.state_travel:.1f}",
                          f"{r.zoo_success} / {r.lerobot_success}"])
         return (f"closed loop: zoo ({self.backend}) against LeRobot's own policy in {self.env}, rule: action rel L2 "
                 f"<= {self.rule:.0e} at every step\n" + format_table(rows))
@@ -81,13 +84,15 @@ def judge_episode(index: int, seed: int, zoo_ep: Dict[str, Any], ref_ep: Dict[st
         beyond.append(steps)
     state_key = "observation.state"
     image_key = next((k for k in ref_ep["observation"] if "image" in k), None)
-    last = steps  # observation after the last compared action
-    state = _max_abs(zoo_ep["observation"].get(state_key), ref_ep["observation"].get(state_key), last)
-    image = _max_abs(zoo_ep["observation"].get(image_key), ref_ep["observation"].get(image_key), last)
-    states = ref_ep["observation"].get(state_key)
-    travel = float((states[0, 1:steps + 1] - states[0, :steps]).abs().sum()) if states is not None else math.nan
+    # Observations 0 .. steps-1 are what the policies acted on; the one after the last step is the vector env's
+    # automatic reset for the next episode (the same for both sides), so it proves nothing.
+    mine_states, states = zoo_ep["observation"].get(state_key), ref_ep["observation"].get(state_key)
+    worst = _max_abs(mine_states, states, slice(0, steps))
+    state = _max_abs(mine_states, states, steps - 1)
+    image = _max_abs(zoo_ep["observation"].get(image_key), ref_ep["observation"].get(image_key), steps - 1)
+    travel = float((states[0, 1:steps] - states[0, :steps - 1]).abs().sum()) if states is not None else math.nan
     return EpisodeRow(index, seed, steps, float(rel.max()) if steps else math.nan, min(beyond) if beyond else None,
-                      state, image, _success(zoo_ep, steps), _success(ref_ep, steps), travel)
+                      worst, state, image, _success(zoo_ep, steps), _success(ref_ep, steps), travel)
 
 
 def _length(episode: Dict[str, Any]) -> int:
@@ -99,7 +104,7 @@ def _success(episode: Dict[str, Any], steps: int) -> bool:
     return bool(episode["success"][0, :steps].any())
 
 
-def _max_abs(a: Optional[torch.Tensor], b: Optional[torch.Tensor], index: int) -> float:
+def _max_abs(a: Optional[torch.Tensor], b: Optional[torch.Tensor], index) -> float:
     if a is None or b is None:
         return math.nan
     return float((a[0, index].double() - b[0, index].double()).abs().max())
