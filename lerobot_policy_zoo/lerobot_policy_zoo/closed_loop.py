@@ -150,12 +150,11 @@ def lerobot_side(run: str, device: str, rename_map: Dict[str, str]):
 
     from zoo import policies
     from zoo.cli.deploy import run_recipe
-    from zoo.contract.run_folder import RunFolder
     from zoo.core.progress import held_back
     from zoo.export.policy_check import checkpoint_in_reach
     from zoo.runner.loading import resolve
 
-    recipe = run_recipe(resolve(run) if not isinstance(run, RunFolder) else run)
+    recipe = run_recipe(resolve(run))
     with held_back(), checkpoint_in_reach(recipe) as checkpoint:
         family = policies.load_family(recipe.family)
         policy, _, _ = family.lerobot_policy(checkpoint, recipe, device=device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 from pathlib import Path
 from typing import Any, Dict, Iterator, Optional, Union
 
