@@ -46,6 +46,14 @@ KINDS = {
     'python -m zoo act runs/fast-wam-tiny --example-observation obs.safetensors --task "pick up the bowl"':
         "a fast-wam-tiny run folder",
     "python -m zoo act runs/fast-wam-tiny --observation obs.safetensors": "a fast-wam-tiny run folder",
+    # The LeRobot plugin's commands need a fast-wam-tiny.pusht run, the plugin and gym-pusht installed, and whole
+    # simulated episodes (minutes): tests/plugin/test_lerobot_closed_loop.py runs both as written (e2e).
+    "lerobot-eval --policy.type=zoo --policy.run=runs/fast-wam-tiny.pusht --policy.backend=eager --env.type=pusht "
+    "--rename_map='{\"observation.image\": \"observation.images.image\"}' --eval.n_episodes=2":
+        "the plugin and gym-pusht installed, a fast-wam-tiny.pusht run (e2e test)",
+    "python -m lerobot_policy_zoo.closed_loop runs/fast-wam-tiny.pusht --episodes 2 --steps 200 "
+    "--rename_map '{\"observation.image\": \"observation.images.image\"}'":
+        "the plugin and gym-pusht installed, a fast-wam-tiny.pusht run (e2e test)",
 }
 
 

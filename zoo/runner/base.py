@@ -14,11 +14,12 @@ the export wrote into ``host_settings.json``, and read the run folder only throu
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Callable, Dict, Optional, Union
 
 import torch
 
 from zoo.core.errors import RunnerError
+from zoo.core.progress import say, warn
 from zoo.contract.host_settings import HostSettings
 from zoo.contract.run_folder import RunFolder
 from zoo.runner.backends import Backend
@@ -26,6 +27,10 @@ from zoo.runner.processors import load_processors
 from zoo.runner.prompt import PromptEmbedding
 
 Batch = Dict[str, Any]
+# Embeds a task text the run has no prompt file for: ``embedder(task) -> PromptEmbedding``. It runs the policy's
+# own text encoder, which the deploy side does not import; a caller that has it (LeRobot's environment, the
+# lerobot_policy_zoo plugin) passes one to ``zoo.runner.load``.
+Embedder = Callable[[str], PromptEmbedding]
 
 
 class PolicyRunner:
@@ -36,8 +41,10 @@ class PolicyRunner:
     policy_type = "?"  # host_settings.json's policy_type (LeRobot's config "type")
     family = "?"  # the zoo family (zoo.policies) whose runs this drives
 
-    def __init__(self, run: RunFolder, backend: Backend, processors: bool = True):
+    def __init__(self, run: RunFolder, backend: Backend, processors: bool = True,
+                 embedder: Optional[Embedder] = None):
         self.run = run
+        self.embedder = embedder
         self.backend = backend
         self.device = backend.device
         self.settings = run.read_host_settings()
@@ -92,13 +99,34 @@ class PolicyRunner:
             found = [p for p in self.prompts.values() if p.text == value]
         else:
             found = [self.prompts[value]] if value in self.prompts else []
+        if not found and text is None and self.embedder is not None:
+            found = [self._embed(value)]
         if not found:
             known = ", ".join(repr(t) for t in self.prompts) or "none loaded"
             raise RunnerError(f"no prompt embedding for {'prompt' if text is not None else 'task'} {value!r} "
                               f"(tasks loaded: {known})",
                               f'compute it once: python -m zoo prompt {self.run.path} "{value}" (or -o FILE, then '
-                              "runner.load_prompt(FILE))")
+                              "runner.load_prompt(FILE)); where the policy's text encoder is installed, "
+                              "zoo.runner.load(..., embedder=...) embeds new tasks by itself")
         return found[0]
+
+    def _embed(self, task: str) -> PromptEmbedding:
+        """A task seen for the first time, embedded by ``self.embedder`` and kept in the run's ``prompts/`` (one
+        atomic write: a reader never sees half a file), so that later runners load it instead of embedding."""
+        say(f"embedding the new task {task!r} with the policy's own text encoder (once; kept in "
+            f"{self.run.prompts_dir}) ...")
+        prompt = self.embedder(task)
+        if prompt.policy_type != self.policy_type or prompt.task != task:
+            raise RunnerError(f"the embedder returned a prompt for task {prompt.task!r} of a {prompt.policy_type!r} "
+                              f"policy; this run needs task {task!r} for {self.policy_type!r}",
+                              "pass an embedder built for this run")
+        path = self.run.prompt_file(task)
+        try:
+            prompt.save(path)
+        except OSError as exc:  # a read-only run (a Hub snapshot on a read-only disk): embed again next time
+            warn(f"cannot keep the embedding of {task!r} in {path}: {exc}; it is used for this runner only")
+        self.prompts[task] = prompt
+        return prompt
 
     # --- helpers ---------------------------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import torch
 from zoo.core.errors import RunnerError
 from zoo.contract.run_folder import RunFolder
 from zoo.runner.backends import BACKENDS, make_backend
-from zoo.runner.base import PolicyRunner
+from zoo.runner.base import Embedder, PolicyRunner
 from zoo.runner.fast_wam import FastWAMRunner
 from zoo.runner.lingbot_va import LingBotVARunner
 
@@ -49,7 +49,8 @@ def resolve(source: Union[str, Path, RunFolder]) -> RunFolder:
 
 
 def load(source: Union[str, Path, RunFolder], backend: str = "eager", device: Optional[str] = None,
-         processors: bool = True, et_runner: Optional[Union[str, Path]] = None) -> PolicyRunner:
+         processors: bool = True, et_runner: Optional[Union[str, Path]] = None,
+         embedder: Optional[Embedder] = None) -> PolicyRunner:
     """The runner of a run folder or published artifact.
 
     ``backend``: ``"eager"`` runs the rewritten programs (``rewritten.<method>.pt2``) with PyTorch, on the CPU by
@@ -61,6 +62,10 @@ def load(source: Union[str, Path, RunFolder], backend: str = "eager", device: Op
     torch has it, else the CPU).
     ``processors=False`` leaves the run's normalisation processors to the caller (``runner.preprocessor``,
     ``runner.postprocessor``), as LeRobot's own loop applies them around a policy.
+    ``embedder``: what embeds a task that has no prompt file yet (``embedder(task) -> PromptEmbedding``, with the
+    policy's own text encoder; lerobot_policy_zoo has one); the runner stores its output in the run's
+    ``prompts/`` and loads it from there afterwards. Without one, such a task is refused with the command that
+    makes its prompt file.
     """
     run = resolve(source)
     settings = run.read_host_settings()
@@ -72,4 +77,4 @@ def load(source: Union[str, Path, RunFolder], backend: str = "eager", device: Op
     if device is None:
         device = {"artifact": "cuda", "executorch": "cuda" if torch.cuda.is_available() else "cpu"}.get(backend, "cpu")
     return RUNNERS[kind](run, make_backend(backend, run, device, et_runner=str(et_runner) if et_runner else None),
-                         processors=processors)
+                         processors=processors, embedder=embedder)

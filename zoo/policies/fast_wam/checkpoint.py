@@ -63,7 +63,7 @@ def fabricate_checkpoint(recipe: Recipe, work_dir: Path) -> Dict[str, Path]:
             policy = FastWAMPolicy(config)
         _randomise(policy, generator)
         policy.save_pretrained(policy_dir)
-        pre, post = make_fastwam_pre_post_processors(config, dataset_stats=_fake_stats(config, generator))
+        pre, post = make_fastwam_pre_post_processors(config, dataset_stats=_fake_stats(config, generator, opts.fabricate_stats))
         pre.save_pretrained(policy_dir)
         post.save_pretrained(policy_dir)
     shutil.rmtree(cache, ignore_errors=True)
@@ -145,7 +145,10 @@ def _randomise(module: nn.Module, generator: torch.Generator) -> None:
         tensor.copy_(value.to(tensor.dtype))
 
 
-def _fake_stats(config: FastWAMConfig, generator: torch.Generator) -> Dict[str, Dict[str, torch.Tensor]]:
+def _fake_stats(config: FastWAMConfig, generator: torch.Generator,
+                given: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, torch.Tensor]]:
+    """Seeded statistics (drawn for every feature, so a recipe's given ones leave the others' draws as they
+    were), replaced by the recipe's ``fabricate_stats`` where it names a feature."""
     def stats(dim: int) -> Dict[str, torch.Tensor]:
         return {"mean": 0.1 * torch.randn(dim, generator=generator),
                 "std": 0.5 + torch.rand(dim, generator=generator)}
@@ -153,4 +156,14 @@ def _fake_stats(config: FastWAMConfig, generator: torch.Generator) -> Dict[str, 
     out = {"action": stats(int(config.action_dim))}
     if config.proprio_dim is not None:
         out["observation.state"] = stats(int(config.proprio_dim))
+    unknown = sorted(set(given) - set(out))
+    if unknown:
+        raise RecipeError(f"unit.options.fabricate_stats names {unknown}, which the checkpoint does not normalise",
+                          f"name some of: {', '.join(sorted(out))}")
+    for key, value in given.items():
+        tensors = {name: torch.tensor([float(v) for v in value[name]]) for name in ("mean", "std")}
+        if tensors["mean"].shape != out[key]["mean"].shape:
+            raise RecipeError(f"unit.options.fabricate_stats.{key} has {tensors['mean'].numel()} values; the "
+                              f"feature has {out[key]['mean'].numel()}", "give one mean and std per dimension")
+        out[key] = tensors
     return out

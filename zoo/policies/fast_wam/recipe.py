@@ -37,6 +37,7 @@ class Options:
     sigma_shift: Optional[float]  # None: the checkpoint's config value (itself None: scheduler infer_shift)
     context_len: Optional[int]  # None: the checkpoint's tokenizer_max_len
     fabricate_config: Dict[str, Any]
+    fabricate_stats: Dict[str, Dict[str, Any]]
 
 
 def parse_options(recipe: Recipe) -> Options:
@@ -51,7 +52,7 @@ def parse_options(recipe: Recipe) -> Options:
                           f"use one of: {', '.join(_UNIT_DTYPES)} (LeRobot builds Fast-WAM only in these)")
     options = recipe.unit.options
     return Options(layout, with_vae, options.num_inference_steps, options.sigma_shift, _context_len(recipe),
-                   dict(options.fabricate_config))
+                   dict(options.fabricate_config), dict(options.fabricate_stats))
 
 
 def _layout(recipe: Recipe) -> Tuple[str, bool]:
