@@ -177,3 +177,25 @@ def test_the_requirement_of_a_run_lowered_before_runtime_json_is_inferred(tmp_pa
     assert need.inferred and need.release == "1.2" and not need.device_io and seen == [run.pte]
     run.write_runtime_requirement(lowering_requirement("1.4.0", {}).as_dict())
     assert requirement_for(run, None) == RuntimeRequirement("1.4", "1.4.0", {}, False)
+
+
+def test_a_held_input_is_uploaded_once_while_its_content_stays_the_same(session, monkeypatch):
+    """``ExecuTorchBackend.hold``: a host loop's fixed input (a prompt's embedding) goes to the runner once and is
+    passed by name while equal; changed content is uploaded again, another shape is held under another name."""
+    from zoo.runner.backends import ExecuTorchBackend
+
+    uploads = []
+    upload = session.upload
+    monkeypatch.setattr(session, "upload", lambda name, tensor: uploads.append(name) or upload(name, tensor))
+    backend = ExecuTorchBackend.__new__(ExecuTorchBackend)  # the hold logic alone, over the module's session
+    backend.session, backend._held = session, {}
+    try:
+        emb = torch.randn(2, 4)
+        first = backend.hold("emb", emb)
+        assert backend.hold("emb", emb.clone()) is first and len(uploads) == 1
+        changed = backend.hold("emb", emb + 1)
+        assert len(uploads) == 2 and torch.equal(changed.fetch(), emb + 1)
+        other = backend.hold("emb", torch.ones(1, 4))
+        assert len(uploads) == 3 and other.name != changed.name and torch.equal(changed.fetch(), emb + 1)
+    finally:
+        backend.session = None  # the session belongs to the fixture

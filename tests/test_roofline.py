@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from zoo.bench import chunk
-from zoo.bench.roofline import CallRecorder, ProgramCosts, Rates, chunk_floor, nbytes, program_flops, weight_bytes
+from zoo.bench.roofline import CallRecorder, Rates, chunk_floor, nbytes, program_flops, weight_bytes
 
 
 class Attend(nn.Module):

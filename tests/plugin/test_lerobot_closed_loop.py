@@ -35,11 +35,7 @@ EPISODES, STEPS = 2, 200
 
 @pytest.fixture(scope="module")
 def run(tiny_runs, tmp_path_factory):
-    exported = tiny_runs(TINY)
-    exported.check_exported()
-    copy = tmp_path_factory.mktemp("closed-loop") / TINY
-    shutil.copytree(exported.path, copy)
-    return copy
+    return tiny_runs(TINY).copy_to(tmp_path_factory.mktemp("closed-loop"))
 
 
 def test_whole_episodes_equal_lerobots(run):

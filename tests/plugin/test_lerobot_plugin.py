@@ -9,7 +9,6 @@ The whole simulated episodes (PushT, lerobot-eval itself) are tests/plugin/test_
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,10 +39,7 @@ CHUNK = 32
 def run(tiny_runs, tmp_path_factory):
     """A copy of the shared run (the plugin writes the new task's prompt into its prompts/)."""
     exported = tiny_runs(TINY)
-    exported.check_exported()
-    copy = tmp_path_factory.mktemp("plugin") / TINY
-    shutil.copytree(exported.path, copy)
-    return copy, exported.checkpoint
+    return exported.copy_to(tmp_path_factory.mktemp("plugin")), exported.checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -144,7 +144,7 @@ def test_options_follow_a_family_override():
     with pytest.raises(RecipeError) as err:
         load_recipe("lingbot-va-tiny", ["family=fast_wam"])
     assert "unit.options.policy_config" in err.value.message and "FastWamOptions" in err.value.message
-    assert err.value.hint.endswith("keys of unit.options: num_inference_steps, sigma_shift, fabricate_config")
+    assert err.value.hint.endswith("keys of unit.options: num_inference_steps, sigma_shift, fabricate_config, fabricate_stats")
 
 
 @pytest.mark.parametrize("override, words", [

@@ -49,6 +49,13 @@ class SharedRun:
         """Fail the calling test with the export's own message unless it exited 0."""
         assert self.returncode == 0, f"python -m zoo.export {self.name} exited {self.returncode}\n{self.stderr[-3000:]}"
 
+    def copy_to(self, folder: Path) -> Path:
+        """A copy of the exported run in ``folder`` (for a test that writes into it), once the export succeeded."""
+        self.check_exported()
+        copy = folder / self.name
+        shutil.copytree(self.path, copy)
+        return copy
+
 
 def session_root(tmp_path_factory) -> Path:
     """The folder shared by the whole session: under pytest-xdist each worker's base folder is

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from zoo.bench.graphed import GraphedBackend
 from zoo.bench.roofline import CallRecorder, ProgramCosts, Rates, chunk_floor
 from zoo.contract.run_folder import RunFolder
 from zoo.runner import load as load_runner
@@ -34,8 +35,6 @@ def make_runner(candidate: str, run: RunFolder, backend: str, device: str) -> An
     if candidate == "executorch":
         return load_runner(run, backend="executorch", device=device)
     if candidate == "pytorch":
-        from zoo.bench.graphed import GraphedBackend
-
         settings = run.read_host_settings()
         return RUNNERS[settings.policy_type](run, GraphedBackend(run, device))
     raise ValueError(f"unknown runner candidate {candidate!r}")

@@ -189,6 +189,16 @@ def measure_device_time(fn: Callable[[Any], Any], inputs_list: Sequence[Any], wa
     return stats, f"cuda_graph_replay ({len(inputs_list)} calls per replay)"
 
 
+def copy_bandwidth(device: str, nbytes: int = 1 << 30, runs: int = 20, warmup: int = 3) -> Dict[str, Any]:
+    """Median device-to-device ``copy_`` bandwidth for a buffer of ``nbytes``: (read + written) / time."""
+    n = max(1, nbytes // 4)
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    stats = measure(lambda _: dst.copy_(src), [None], warmup, runs, timer_for(device, idle_start=False))
+    moved = 2 * n * 4
+    return {"bytes": moved, "stats": stats.as_dict(), "gbps": moved / (stats.median * 1e-3) / 1e9}
+
+
 # ------------------------------------------------------------------------------------------------------
 # Peak device memory
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import flop_counter
 
-from zoo.bench.measuring import Stats, measure, timer_for
+from zoo.bench.measuring import Stats, copy_bandwidth, measure, timer_for
 
 aten = torch.ops.aten
 
@@ -113,8 +113,6 @@ def gemm_rate(device: str, size: int = 8192, dtype: torch.dtype = torch.bfloat16
 
 def measure_rates(device: str, copy_bytes: int = 1 << 30, gemm_size: int = 8192) -> Tuple[Rates, Dict[str, Any]]:
     """Both rates on ``device``, and what was measured (sizes, medians) for the results file."""
-    from zoo.bench.rotary import copy_bandwidth
-
     copy = copy_bandwidth(device, copy_bytes, runs=10, warmup=3)
     gemm = gemm_rate(device, gemm_size)
     return Rates(copy_gbps=copy["gbps"], gemm_tflops=gemm["tflops"]), {"copy": copy, "gemm": gemm}

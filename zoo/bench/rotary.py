@@ -15,7 +15,7 @@ from zoo.core.errors import RewriteDeclined, ZooError
 from zoo.core.numerics import compare
 from zoo.rewrites.complex_to_real import replace_complex_with_real
 from zoo.bench.candidates import auto_input_sets, indexed_device, top_kernels
-from zoo.bench.measuring import measure, measure_device_time, timer_for
+from zoo.bench.measuring import copy_bandwidth, measure_device_time
 from zoo.bench.rendering import TARGETS, judge_at_least
 
 PAIR_TABLE_DTYPE = torch.float32  # the rewrite turns the complex64 table into float32 pairs
@@ -75,16 +75,6 @@ def rope_bytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     table = length * (d // 2) * 2 * torch.empty((), dtype=PAIR_TABLE_DTYPE).element_size()
     return 2 * b * length * h * d * element + table
-
-
-def copy_bandwidth(device: str, nbytes: int = 1 << 30, runs: int = 20, warmup: int = 3) -> Dict[str, Any]:
-    """Median device-to-device ``copy_`` bandwidth for a buffer of ``nbytes``: (read + written) / time."""
-    n = max(1, nbytes // 4)
-    src = torch.ones(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    stats = measure(lambda _: dst.copy_(src), [None], warmup, runs, timer_for(device, idle_start=False))
-    moved = 2 * n * 4
-    return {"bytes": moved, "stats": stats.as_dict(), "gbps": moved / (stats.median * 1e-3) / 1e9}
 
 
 def bench_case(case: RotaryCase, device: str, runs: int, warmup: int, copy_gbps: Optional[float],

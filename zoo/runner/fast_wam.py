@@ -92,7 +92,9 @@ class FastWAMRunner(PolicyRunner):
         noise = self._noise(batch)  # wm:1655-1662, drawn before the encode, as LeRobot does
         latents = self.call(self.vae_method, image=image.to(device=self.device, dtype=self.dtype))
         context, context_mask = self._context(batch, index, size)
-        conditions = {"context": context, "context_mask": context_mask, "proprio": proprio}
+        # The prompt's context is the same for every call of the chunk (and of the episode).
+        conditions = {"context": self.backend.hold("context", context),
+                      "context_mask": self.backend.hold("context_mask", context_mask), "proprio": proprio}
         first_frame = latents["first_frame_latents"]
         if self.layout == "chunk":
             actions = self.call("action_chunk", first_frame_latents=first_frame, noise=noise, **conditions)["actions"]

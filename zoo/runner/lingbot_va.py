@@ -217,6 +217,7 @@ class LingBotVARunner(PolicyRunner):
         """One transformer call: slots chosen as LeRobot's cache chooses them, the pool in and out."""
         tokens = self.video_tokens if method == "video_step" else self.action_tokens
         slots, visible = self.allocator.begin(tokens)
+        inputs = {**inputs, "text_emb": self.backend.hold("text_emb", inputs["text_emb"])}  # fixed for the episode
         out = self.call(method, slots=slots, visible=visible, k_pool=self._pools[0], v_pool=self._pools[1], **inputs)
         self.allocator.finish(slots, update_cache)
         self._pools = (out["k_pool_next"], out["v_pool_next"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 from zoo.policies import FamilyOptions
 
@@ -18,7 +18,7 @@ class FastWamOptions(FamilyOptions):
     # Normalisation statistics the fabricated checkpoint ships, {feature: {"mean": [...], "std": [...]}}, for a
     # tiny recipe driven in a simulator whose units are not ~N(0, 1) (PushT's pixels); features left out get
     # seeded ones.
-    fabricate_stats: Dict[str, Dict[str, List[float]]] = field(default_factory=dict)
+    fabricate_stats: Dict[str, Any] = field(default_factory=dict)
 
     def validate(self, fail: Callable[[str, str], None]) -> None:
         steps, shift = self.num_inference_steps, self.sigma_shift
@@ -28,7 +28,9 @@ class FastWamOptions(FamilyOptions):
             fail(f"unit.options.sigma_shift={shift!r}",
                  "give a number > 0, or leave it out to use the checkpoint's shift")
         for key, stats in self.fabricate_stats.items():
-            if sorted(stats) != ["mean", "std"] or len(stats["mean"]) != len(stats["std"]):
+            if (not isinstance(stats, dict) or sorted(stats) != ["mean", "std"]
+                    or not all(isinstance(stats[k], (list, tuple)) for k in stats)
+                    or len(stats["mean"]) != len(stats["std"])):
                 fail(f"unit.options.fabricate_stats.{key}={stats!r}",
                      "give {mean: [...], std: [...]} of the feature's size")
             elif not all(s > 0 for s in stats["std"]):
