@@ -316,3 +316,20 @@ def test_the_kept_parts_go_before_the_weights_are_extracted_again(tmp_path, monk
         outputs.write_artifacts({"act": part}, RunFolder(tmp_path / "run"), {},
                                 assembled_hook=lambda: order.append("kept parts removed"))
     assert order == ["assemble", "kept parts removed", "extract"]
+
+
+def test_a_disk_too_small_for_the_lowering_is_refused_before_any_compile(tmp_path, monkeypatch):
+    """Two methods sharing one 10 GB table and a third carrying 3 GB: parts 23 GB, the .ptd 13 GB (the table once),
+    so a disk with 30 GB free is refused with both numbers, and one with 40 GB is not."""
+    from types import SimpleNamespace
+
+    shared = SimpleNamespace(nbytes=10 * 10**9)
+    tables = lowering.ConstantTables(decision={}, method_plan={"a": shared, "b": shared},
+                                     carried={"a": 10 * 10**9, "b": 10 * 10**9, "c": 3 * 10**9})
+    assert lowering.disk_needed(tables) == 36 * 10**9
+    monkeypatch.setattr(lowering.shutil, "disk_usage", lambda path: SimpleNamespace(free=30 * 10**9))
+    with pytest.raises(LoweringError, match=r"needs about 39.6 GB free .* and 30.0 GB are") as err:
+        lowering.check_disk(tmp_path, tables)
+    assert "free disk space" in err.value.hint
+    monkeypatch.setattr(lowering.shutil, "disk_usage", lambda path: SimpleNamespace(free=40 * 10**9))
+    lowering.check_disk(tmp_path, tables)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -82,6 +83,7 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
         in_memory = {m: p if isinstance(p, ExportedProgram) else read_program(Path(p)) for m, p in programs.items()}
         tables = plan_tables(in_memory)
         stage_seconds["plan"] = round(time.perf_counter() - mark, 3)
+        check_disk(run.path, tables)
         options = lowering_options(recipe, run_preflight, target_plan)
         parts, workers_record = lower_methods(programs, in_memory, tables, options, recipe, work, stage_seconds,
                                               workers=workers, target_plan=target_plan, store=store,
@@ -131,6 +133,27 @@ def plan_tables(programs: Mapping[str, ExportedProgram]) -> ConstantTables:
                    for m in group}
     carried = {m: max(sum(reads[m].values()), method_plan[m].nbytes if m in method_plan else 0) for m in programs}
     return ConstantTables(decision=decision, method_plan=method_plan, carried=carried)
+
+
+def disk_needed(tables: ConstantTables) -> int:
+    """Bytes a lowering writes at its peak: every method's part (each holds the weights its .so carries) next to
+    the assembled .ptd (one table per group once), and later the .ptd next to each method's extracted weights,
+    which is as much."""
+    parts = sum(tables.carried.values())
+    ptd = sum({id(plan): plan.nbytes for plan in tables.method_plan.values()}.values()) + sum(
+        b for m, b in tables.carried.items() if m not in tables.method_plan)
+    return parts + ptd
+
+
+def check_disk(folder: Path, tables: ConstantTables, margin: float = 1.1) -> None:
+    """Refuse before any compile when the run's disk cannot hold what the lowering will write (minutes in, a full
+    disk would lose the lowering)."""
+    need = int(disk_needed(tables) * margin)
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise LoweringError(f"lowering needs about {need / 1e9:.1f} GB free on the disk of {folder} (each method's "
+                            f"part, then the .ptd and each method's extracted weights), and {free / 1e9:.1f} GB are",
+                            "free disk space there (or lower into a run folder on a larger disk), then lower again")
 
 
 def lowering_options(recipe, run_preflight: bool, target_plan: Optional[TargetPlan]) -> Dict[str, Any]:
