@@ -23,13 +23,17 @@
 #   tiny-bf16 after real (when real is a job): tools/gpu_check.sh on the tiny LingBot-VA and Fast-WAM recipes
 #             exported in bf16 (unit.dtype=bfloat16): verified under zoo's bf16 rule and policy-checked on the
 #             GPU against LeRobot under the same rule, alone on the machine
-#   chunk     after real (when real is a job): benchmarks/bench_chunk.py on --chunk's policy (default fast_wam) in
-#             three jobs, one after the other, alone on the machine: chunk-lower (build, export, lower and
-#             verify every method under the sampling profiler), chunk-check (zoo's policy check at real size, the
-#             artifact runner against LeRobot under the bf16 rule), chunk-bench (whole-chunk latency: runner,
-#             LeRobot eager, LeRobot torch.compile, recorded for the model card in the checkout's
-#             zoo/data/chunk_latency.json, copied to WORK/chunk/recorded_chunk_latency.json, beside the bench's
-#             own chunk_latency.json); WORK/chunk holds their tables and JSON
+#   chunk     after real and runtime (when they are jobs): benchmarks/bench_chunk.py on --chunk's policy (default
+#             fast_wam), one job after the other, alone on the machine: chunk-lower (build, export, lower and
+#             verify every method, on both runtimes when zoo_runner was built, under the sampling profiler),
+#             chunk-bench (whole-chunk latency: the runner, the runner on ExecuTorch's runtime when zoo_runner was
+#             built, the strongest PyTorch, LeRobot eager and LeRobot torch.compile, each with its roofline;
+#             recorded for the model card in the checkout's zoo/data/chunk_latency.json, copied to
+#             WORK/chunk/recorded_chunk_latency.json), chunk-check (zoo's policy check at real size, through
+#             ExecuTorch's runtime when zoo_runner was built, else the artifact runner) and, with zoo_runner,
+#             chunk-methods (every method's latency and the GPU memory after loading on both runtimes,
+#             benchmarks/gpu_runtime_check.py); WORK/chunk holds their tables and JSON. The lowering needs ~52 GB
+#             of free disk at LingBot-VA's size (it says so before compiling when there is less)
 # Every job writes its log under WORK/jobs/NAME and its tables and JSON under WORK; nothing here waits for them.
 set -uo pipefail
 usage() { sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
