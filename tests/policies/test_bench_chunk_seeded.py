@@ -29,7 +29,9 @@ def bench_chunk(out: Path, policy: str, only: str) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.parametrize("policy", ["fast_wam", "lingbot_va"])
+# Fast-WAM takes the same path as LingBot-VA (zoo.bench.chunk.policy_source); its case runs with -m e2e, to keep
+# the default run short.
+@pytest.mark.parametrize("policy", [pytest.param("fast_wam", marks=pytest.mark.e2e), "lingbot_va"])
 def test_the_real_size_weights_path_passes_the_policy_check_on_a_cpu(tmp_path, policy):
     lowered = bench_chunk(tmp_path, policy, "lower")
     assert lowered.returncode == 0, lowered.stderr[-3000:]

@@ -113,6 +113,7 @@ def test_first_call_is_not_a_later_call(vae, methods):
     assert float((a - b).norm() / a.norm()) > 1e-2
 
 
+@pytest.mark.e2e  # the default run exports, rewrites and preflights these methods in the shared lingbot-va-tiny run
 def test_methods_export_rewrite_and_need_no_fallback_kernel(vae, methods):
     first, step, _, shapes = methods
     data = clips()
