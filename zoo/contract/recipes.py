@@ -30,6 +30,7 @@ from zoo import policies
 from zoo.core.errors import RecipeError
 from zoo.core.progress import warn
 from zoo.contract.gpu_targets import GPUS
+from zoo.contract.quantization import Quantize, expand_override, expand_shorthand, validate_quantize
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -66,6 +67,8 @@ class Unit:
     # Family-specific knobs (policy config, fabricated sizes, steps, ...). Loading types them with the family's
     # options dataclass (zoo.policies.options_class); a Recipe built in code may hold a plain mapping.
     options: Any = field(default_factory=dict)
+    # Weight-only quantization of the unit's linear layers before torch.export (zoo.contract.quantization).
+    quantize: Quantize = field(default_factory=Quantize)
 
 
 @dataclass
@@ -201,6 +204,7 @@ class Recipe:
             options.validate(fail)
         need(self.unit.dtype in DTYPES, "unit.dtype", self.unit.dtype, DTYPES)
         need(self.rotary_pairs in PAIR_DTYPES, "rotary_pairs", self.rotary_pairs, PAIR_DTYPES)
+        validate_quantize(self.unit.quantize, self.unit.dtype, fail)
 
     def _validate_lowering_words(self, need) -> None:
         """The lowering's named choices, normalised to the words the code compares against."""
@@ -351,6 +355,8 @@ def load_recipe(name_or_path: str, overrides: Sequence[str] = (), recipes_dir: P
     except Exception as exc:  # a YAML syntax error: the parser's message names line and column
         raise RecipeError(f"recipe file {path} is not valid YAML: {_first_line(exc)}",
                           "fix the file's syntax") from None
+    loaded = expand_shorthand(loaded)
+    overrides = [expand_override(item) for item in overrides]
     options = _options_of(_family_named(loaded, overrides))
     try:
         merged = OmegaConf.merge(recipe_schema(options), loaded)

@@ -66,6 +66,11 @@ class ExportError(ZooError):
     """torch.export or a policy's export unit failed."""
 
 
+class QuantizationBlocked(ExportError):
+    """The recipe's unit.quantize cannot be built on this line (int4 weight-only: no CPU kernel packs or runs
+    its layout); refused before anything is fabricated or downloaded."""
+
+
 class RewriteDeclined(ZooError):
     """A required rewrite declined the program; the message names the op and the source line."""
 

@@ -169,8 +169,29 @@ def _policy_check_md(value: Any) -> str:
     return "\n\n".join(_code_table(part) for part in (value or {}).values() if _code_table(part))
 
 
+def _quantization_md(value: Any) -> str:
+    """What was quantized, and what it costs against the unquantized unit, per output."""
+    applied, cost = value.get("applied") or {}, value.get("cost") or {}
+    sizes = applied.get("weight_bytes") or {}
+    lines = [f"{applied.get('words', '?')} (torchao {applied.get('torchao', '?')}): {applied.get('quantized', '?')} "
+             f"linear layer(s) quantized; weights {sizes.get('before', 0):,} -> {sizes.get('after', 0):,} bytes"]
+    lines += [f"- kept: `{k['module']}` ({k['why']})" for k in (applied.get("kept") or [])[:12]]
+    if cost.get("rows"):
+        bound = cost.get("bound") or {}
+        limits = ", ".join(f"{k} {v:g}" for k, v in bound.items() if v is not None) or "none"
+        rows = [["output", "cases", "rel L2", "lowest cosine", "max|diff|", "unquantized low precision rel L2",
+                 "result"]]
+        rows += [[r["name"], r["cases"], _num(r["rel_l2"]), _num(r["cosine"], ".6f"), _num(r["max_abs"]),
+                  _num(r.get("unquantized_low_rel_l2")), "ok" if r["ok"] else f"FAILED: {r['why']}"]
+                 for r in cost["rows"]]
+        lines += ["", f"Cost against {cost.get('against', '?')} (bound: {limits}); {cost.get('note', '')}.", "",
+                  markdown_table(rows)]
+    return "\n".join(lines)
+
+
 # (section, title, renderer): the order of report.md after the stage table.
 SECTIONS = (
+    ("quantization", "Quantization", _quantization_md),
     ("rewrites", "Rewrites", _rewrites_md),
     ("cpu_check", "CPU check against eager", _cpu_check_md),
     ("preflight", "Kernel preflight", _preflight_md),

@@ -28,7 +28,7 @@ from zoo.policies.base import ExportUnit
 # Verification inputs are drawn from seed + this offset, so they are never the example inputs torch.export
 # traced with (a value baked into the graph would go unnoticed on those).
 SEED_OFFSET = 10_000
-_HALF = (torch.bfloat16, torch.float16)
+HALF = (torch.bfloat16, torch.float16)
 
 
 def check_cases(recipe, base: Optional[Dict[str, int]] = None) -> List[Dict[str, int]]:
@@ -130,15 +130,15 @@ def draw_inputs(unit: ExportUnit, methods: Sequence[str], sizes: Dict[str, int],
 
 def _compare_case(unit, eager, exported, ref, inputs, state: BufferState, dtype: str, tol) -> List[Dict]:
     state.restore()
-    eager_out, eager_state = _run_sequence(eager, inputs, state)
+    eager_out, eager_state = run_sequence(eager, inputs, state)
     state.restore()
-    prog_out, prog_state = _run_sequence(exported, inputs, state)
+    prog_out, prog_state = run_sequence(exported, inputs, state)
     ref_out: Dict[str, List[torch.Tensor]] = {}
     ref_state: Dict[str, torch.Tensor] = {}
     if ref:
         state.restore()
-        wide = {m: tuple(x.float() if x.dtype in _HALF else x for x in args) for m, args in inputs.items()}
-        ref_out, ref_state = _run_sequence(ref, wide, state)
+        wide = {m: tuple(x.float() if x.dtype in HALF else x for x in args) for m, args in inputs.items()}
+        ref_out, ref_state = run_sequence(ref, wide, state)
 
     comps = []
     for m in eager:
@@ -146,7 +146,7 @@ def _compare_case(unit, eager, exported, ref, inputs, state: BufferState, dtype:
             comps.append({"name": f"{m}", "ok": False, "why": f"the program returns {len(prog_out[m])} tensors, "
                           f"eager {len(eager_out[m])}"})
             continue
-        names = _output_names(unit.methods[m].output_names, len(eager_out[m]))
+        names = output_names(unit.methods[m].output_names, len(eager_out[m]))
         refs = ref_out.get(m) or [None] * len(names)
         for i, name in enumerate(names):
             comps.append(_judge(f"{m}.{name}", prog_out[m][i], eager_out[m][i], refs[i], dtype, tol))
@@ -160,7 +160,7 @@ def _compare_case(unit, eager, exported, ref, inputs, state: BufferState, dtype:
     return comps
 
 
-def _run_sequence(modules: Dict[str, torch.nn.Module], inputs, state: BufferState):
+def run_sequence(modules: Dict[str, torch.nn.Module], inputs, state: BufferState):
     outs, changed = {}, {}
     for m, module in modules.items():
         leaves = pytree.tree_leaves(module(*inputs[m]))
@@ -183,7 +183,7 @@ def _judge(name: str, got: torch.Tensor, eager: torch.Tensor, ref32: Optional[to
     return d
 
 
-def _output_names(declared: Sequence[str], count: int) -> List[str]:
+def output_names(declared: Sequence[str], count: int) -> List[str]:
     if len(declared) == count:
         return list(declared)
     return [f"out{i}" for i in range(count)]

@@ -22,6 +22,8 @@ from zoo import policies
 from zoo import rewrites
 from zoo.export import tiny_hub
 from zoo.export.cpu_check import cpu_check, summary_detail
+from zoo.export import quantize as quantizing
+from zoo.export.quant_cost import quantization_cost
 from zoo.core.environ import zoo_command
 from zoo.core.errors import (Interrupted, LoweringError, NoGpuError, RewriteDeclined, StorageError, VerificationFailed,
                              ZooError, storage_error)
@@ -57,6 +59,7 @@ def run_pipeline(recipe, run_dir: Path, overrides: Sequence[str] = (), *, force:
     # verification runtime the recipe names but this machine cannot run.
     with held_back(verbose):  # importing the family imports lerobot and diffusers, which log as they load
         policies.check_recipe(recipe)
+    quantizing.refuse_blocked(recipe)
     choose_runtimes(recipe.verify.runtimes)
     attempt = Attempt.begin(run_dir, force=force)
     run, staging = attempt.run, attempt.staging
@@ -73,11 +76,13 @@ def run_pipeline(recipe, run_dir: Path, overrides: Sequence[str] = (), *, force:
             with source_environment(recipe, report):
                 checkpoint = pull_step(recipe, staging, report)
                 unit = build_step(checkpoint, recipe, staging, report)
+                baselines = quantize_step(unit, recipe, report)
                 programs, reference = export_step(unit, recipe, staging, report)
                 rewritten = rewrite_step(programs, recipe, report)
                 cpu_check_step(unit, rewritten, recipe, report, reference)
+                quantization_cost_step(unit, baselines, recipe, report)
                 # The later steps work from the saved files: free the eager unit and the in-memory programs first.
-                del programs, reference, unit
+                del programs, reference, unit, baselines
                 save_step(rewritten, recipe, staging, report)
                 del rewritten
                 # The runner over the saved programs against LeRobot's own policy (its Hub repos still in reach).
@@ -279,6 +284,42 @@ def build_step(checkpoint: Optional[hub.Checkpoint], recipe, run: RunFolder, rep
                                "host_files": copied})
         facts["detail"] = f"{len(unit.methods)} method(s), {params:,} parameters, {len(copied)} host file(s)"
     return unit
+
+
+def quantize_step(unit: ExportUnit, recipe, report: RunReport) -> Optional[quantizing.Baselines]:
+    """The recipe's ``unit.quantize`` applied to the unit in place, after unquantized copies of it are kept
+    to measure the cost against; None (and no stage) for a recipe that does not quantize."""
+    if not recipe.unit.quantize.enabled:
+        return None
+    with timed_stage(report, "quantize", f"quantize linear layers ({recipe.unit.quantize.words()})") as facts:
+        baselines = quantizing.unquantized_copies(unit, recipe)
+        record = quantizing.quantize_unit(unit, recipe)
+        report.record("quantization", {"applied": record})
+        sizes = record["weight_bytes"]
+        facts["detail"] = (f"{record['quantized']} linear layer(s) quantized, {len(record['kept'])} kept; weights "
+                           f"{sizes['before']:,} -> {sizes['after']:,} bytes ({sizes['after'] / sizes['before']:.2f}x)")
+    return baselines
+
+
+def quantization_cost_step(unit: ExportUnit, baselines: Optional[quantizing.Baselines], recipe,
+                           report: RunReport) -> None:
+    """The quantized unit, eager, against its unquantized copies: what quantization costs (the rule's
+    second half; the CPU check just judged the first)."""
+    if baselines is None:
+        return
+    section = dict(report.get("quantization") or {})
+    with timed_stage(report, "quantization_cost", "measure what quantization costs against the unquantized unit") \
+            as facts:
+        try:
+            section["cost"] = quantization_cost(unit, baselines, recipe)
+        except VerificationFailed as exc:
+            section["cost"] = exc.result
+            report.record("quantization", section)
+            raise
+        report.record("quantization", section)
+        worst = max(section["cost"]["rows"], key=lambda r: r["rel_l2"], default=None)
+        facts["detail"] = (f"worst rel L2 {worst['rel_l2']:.2e} ({worst['name']}) vs float32 unquantized"
+                           if worst else "no outputs") + "; seeded weights, not a task-success figure"
 
 
 def export_step(unit: ExportUnit, recipe, run: RunFolder, report: RunReport, *, save: bool = True,

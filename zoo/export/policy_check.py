@@ -40,6 +40,12 @@ BF16_ON_CPU = ("the CPU policy check runs for float32 units only ({dtype} here):
                "the GPU policy check covers {dtype} units")
 
 
+# The check judges the runner against LeRobot's policy with a rule for rounding, not for quantization: the
+# reference a quantized unit needs is LeRobot's policy quantized the same way, which is not built yet.
+QUANTIZED = ("not built for a quantized unit ({scheme}): its reference would be LeRobot's policy quantized the "
+             "same way; the quantization_cost stage reports how far the unit moved from the unquantized one")
+
+
 def not_applicable(recipe) -> Optional[str]:
     """Why the recipe's family has no policy check, or None when it has one."""
     families = sorted(r.family for r in RUNNERS.values())
@@ -58,6 +64,8 @@ def why_skipped(recipe, where: str) -> Optional[str]:
         return f"policy_check.{where} is false in the recipe"
     if where == "cpu" and recipe.unit.dtype != "float32":
         return BF16_ON_CPU.format(dtype=recipe.unit.dtype)
+    if recipe.unit.quantize.enabled:
+        return QUANTIZED.format(scheme=recipe.unit.quantize.words())
     if importlib.util.find_spec("lerobot") is None:
         return NEEDS_LEROBOT
     return None
