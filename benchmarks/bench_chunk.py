@@ -22,8 +22,9 @@ import torch
 
 from zoo import bench, policies
 from zoo.bench import roofline
-from zoo.bench.chunk import (POLICIES, TARGETS, check_passed, policy_check, policy_check_section, policy_source,
-                             ratio_lines, record_timings, refuse_unverified, checked_here, say, table_rows, time_candidates, write)
+from zoo.bench.chunk import (POLICIES, TARGETS, check_passed, checked_here, policy_check, policy_check_section,
+                             policy_source, ratio_lines, record_timings, refuse_unverified, say, table_rows,
+                             time_candidates, write)
 from zoo.bench.chunk_runners import floor_rows
 from zoo.contract import chunk_latency
 from zoo.contract.recipes import load_recipe
