@@ -36,17 +36,14 @@ class TaskEmbedder:
             raise RunnerError(f"task {task!r} has no prompt embedding in {self.run.prompts_dir}, and the policy's text "
                               "encoder (lerobot, transformers) is not installed here",
                               f"embed it once where they are: {command}, and copy the file into prompts/")
-        from zoo import policies
-        from zoo.cli.deploy import run_recipe
+        from zoo.cli.deploy import run_recipe, text_encoder
         from zoo.core.progress import held_back
-        from zoo.export.policy_check import checkpoint_in_reach
 
         try:
             recipe = run_recipe(self.run)
             # LeRobot, transformers and diffusers print as they load: held back, shown only if it fails.
-            with held_back(), checkpoint_in_reach(recipe) as checkpoint:
-                family = policies.load_family(recipe.family)
-                policy, _, _ = family.lerobot_policy(checkpoint, recipe, device="cpu")
+            with held_back():
+                family, policy = text_encoder(recipe)
         except (ZooError, OSError) as exc:  # the checkpoint (or its text encoder) out of reach here
             message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
             raise RunnerError(f"task {task!r} has no prompt embedding in {self.run.prompts_dir}, and the "

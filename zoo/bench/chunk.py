@@ -20,7 +20,7 @@ import torch
 
 from zoo import policies
 from zoo.bench.candidates import error_line
-from zoo.bench.chunk_runners import RUNNER_LABELS, floor_rows, make_runner, sync, time_runner
+from zoo.bench.chunk_runners import RUNNER_LABELS, chunk_floor_of, floor_rows, make_runner, sync, time_runner
 from zoo.bench.measuring import Stats
 from zoo.bench.roofline import ProgramCosts, Rates
 from zoo.bench.seeded import fast_wam_config, placeholder_checkpoint, write_seeded_processors
@@ -214,13 +214,13 @@ def compile_blocks(policy: Any, family: str) -> int:
 
 
 def refuse_unverified(run: RunFolder, backend: str, checked: bool = False) -> None:
-    """Raise unless the artifact a runner would time passed verification, or (``checked``) zoo's policy check on
-    this backend in the same output folder: the whole policy through the artifact against LeRobot."""
+    """Raise unless the artifact a runner would time passed verification, or (``checked``) zoo's policy check in
+    the same output folder on one of its runtimes: the whole policy through the artifact against LeRobot."""
     if backend in ("artifact", "executorch") and run.status() != "verified" and not checked:
         # A latency is worth quoting only for an artifact that computes what the policy does.
         raise RuntimeError(f"the artifact in {run.path} has not passed verification (report status "
-                           f"{run.status()!r}) nor the policy check on the {backend} backend here: nothing is timed "
-                           "on it; lower and verify it first (--only lower), or run --only check")
+                           f"{run.status()!r}) nor zoo's policy check in this output folder: nothing is timed on "
+                           "it; lower and verify it first (--only lower), or run --only check")
 
 
 def checked_here(out: Path, family: str) -> bool:
@@ -372,7 +372,7 @@ def ratios(candidates: Dict[str, Dict[str, Any]]) -> Dict[str, Optional[float]]:
     """Each ratio of TARGETS whose two chunk medians were measured (``floor``: the runner's chunk floor)."""
     def median(name: str) -> Optional[float]:
         if name == "floor":
-            return (((candidates.get("runner") or {}).get("roofline") or {}).get("chunk") or {}).get("floor_ms")
+            return chunk_floor_of(candidates.get("runner"))
         return ((candidates.get(name) or {}).get("chunk_ms") or {}).get("median")
 
     out: Dict[str, Optional[float]] = {}
@@ -387,7 +387,6 @@ def ratios(candidates: Dict[str, Dict[str, Any]]) -> Dict[str, Optional[float]]:
 
 
 CANDIDATE_ORDER = ("runner", "executorch", "pytorch", "eager", "compile")
-LEROBOT_LABELS = {"eager": "LeRobot select_action, eager", "compile": "LeRobot select_action, DiT blocks compiled"}
 
 
 def table_rows(results: Dict[str, Any]) -> List[List[str]]:
@@ -415,7 +414,7 @@ def _cells(c: Dict[str, Any]) -> List[str]:
     s = c.get("chunk_ms")
     aps = c.get("actions_per_second")
     rel = c.get("vs_eager_rel_l2")
-    floor = ((c.get("roofline") or {}).get("chunk") or {}).get("floor_ms")
+    floor = chunk_floor_of(c)
     return [f"{s['median']:.1f} ({s['p10']:.1f}, {s['p90']:.1f})" if s else "-", f"{aps:.1f}" if aps else "-",
             f"{rel:.2e}" if rel is not None else "-", f"{floor:.1f}" if floor else "-",
             f"{s['median'] / floor:.2f}x" if s and floor else "-"]

@@ -82,6 +82,11 @@ def floor_rows(results: Dict[str, Any]) -> List[List[str]]:
     return rows
 
 
+def chunk_floor_of(candidate: Dict[str, Any]) -> Optional[float]:
+    """A timed candidate's chunk floor (ms), or None when its roofline was not worked out."""
+    return (((candidate or {}).get("roofline") or {}).get("chunk") or {}).get("floor_ms")
+
+
 def _chunks_of(candidate: Dict[str, Any]) -> int:
     return int((candidate.get("roofline") or {}).get("chunks") or 1)
 
@@ -92,7 +97,7 @@ def _chunk_median(candidate: Dict[str, Any]) -> str:
 
 
 def _chunk_ratio(candidate: Dict[str, Any]) -> str:
-    s, floor = candidate.get("chunk_ms"), ((candidate.get("roofline") or {}).get("chunk") or {}).get("floor_ms")
+    s, floor = candidate.get("chunk_ms"), chunk_floor_of(candidate)
     return f"{s['median'] / floor:.2f}x" if s and floor else "-"
 
 

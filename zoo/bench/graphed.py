@@ -19,7 +19,7 @@ measured and what each choice buys.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,14 +40,13 @@ class GraphedBackend(EagerBackend):
 
     name = "pytorch"
 
-    def __init__(self, run: RunFolder, device: str, compile_options: Dict[str, Any] = None):
+    def __init__(self, run: RunFolder, device: str):
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             # The programs' own device asserts then name the same device as the tensors Dynamo fakes ("cuda:0"):
             # moved to a bare "cuda", they fail its fake-tensor pass.
             device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(run, str(device))
-        self.compile_options = dict(compile_options or {})
         self.state: DeviceState = {}
         self.buffers: Dict[str, torch.Tensor] = {}
         self._compiled: Dict[str, Callable] = {}
@@ -70,8 +69,7 @@ class GraphedBackend(EagerBackend):
 
     def _compiled_step(self, method: str) -> Callable:
         if method not in self._compiled:
-            self._compiled[method] = torch.compile(self._module(method), fullgraph=True, dynamic=False,
-                                                   **self.compile_options)
+            self._compiled[method] = torch.compile(self._module(method), fullgraph=True, dynamic=False)
         return self._compiled[method]
 
     def _step_into_buffers(self, method: str, static: List[torch.Tensor]) -> List[torch.Tensor]:

@@ -14,7 +14,7 @@ roofline"), so the floor is what this GPU can do, not a data sheet.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import torch
@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import flop_counter
 
 from zoo.bench.measuring import Stats, copy_bandwidth, measure, timer_for
+from zoo.core.numerics import held_bytes
 
 aten = torch.ops.aten
 
@@ -56,14 +57,7 @@ def shape_key(values: Sequence[Any]) -> Tuple:
 
 def weight_bytes(module: torch.nn.Module) -> int:
     """Bytes of every parameter and buffer a program module holds (each storage once)."""
-    seen, total = set(), 0
-    for t in list(module.parameters()) + list(module.buffers()):
-        key = (t.untyped_storage().data_ptr(), t.device) if t.device.type != "meta" else id(t)
-        if key in seen:
-            continue
-        seen.add(key)
-        total += t.numel() * t.element_size()
-    return total
+    return held_bytes([module])
 
 
 def program_flops(module: torch.nn.Module, inputs: Sequence[Any]) -> int:
@@ -129,7 +123,7 @@ class CallCost:
     bytes_moved: int
     flops: int
     calls: int = 0
-    ms: List[float] = None  # type: ignore[assignment]
+    ms: List[float] = field(default_factory=list)
 
     def as_dict(self, rates: Rates) -> Dict[str, Any]:
         stats = Stats.from_samples(self.ms) if self.ms else None
@@ -176,7 +170,7 @@ class CallRecorder:
             fed_back = {out for out, name in self.state.get(method, {}).items() if name in inputs}
             moved = (self.weights_of(method) + sum(nbytes(v) for v in ordered)
                      + sum(nbytes(v) for name, v in outs.items() if name not in fed_back))
-            cost = self.costs[key] = CallCost(method, moved, self.flops_of(method, ordered), ms=[])
+            cost = self.costs[key] = CallCost(method, moved, self.flops_of(method, ordered))
         cost.calls += 1
         cost.ms.append(ms)
         return outs

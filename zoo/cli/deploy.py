@@ -68,15 +68,24 @@ def prompt_main(argv: Optional[Sequence[str]] = None) -> int:
     say(f"embedding {args.text!r} with {recipe.family}'s own text encoder (eager, CPU) ...")
     # LeRobot, transformers and diffusers print as they load (shard writers, progress bars, deprecations): held
     # back, and shown only if the embedding fails.
-    with held_back(), checkpoint_in_reach(recipe) as checkpoint:
-        family = policies.load_family(recipe.family)
-        policy, _, _ = family.lerobot_policy(checkpoint, recipe, device="cpu")
+    with held_back():
+        family, policy = text_encoder(recipe)
         embedding = family.embed_prompt(policy, args.text)
     embedding.save(out)
     shapes = ", ".join(f"{k} {list(v.shape)} {str(v.dtype).replace('torch.', '')}"
                        for k, v in embedding.tensors.items())
     print(f"wrote {out} ({shapes}) in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def text_encoder(recipe):
+    """(family, LeRobot's policy) from the recipe's checkpoint, on the CPU: the family's ``embed_prompt`` runs the
+    policy's own text encoder. The checkpoint and the repos the policy loads by Hub id are in reach only while it
+    is built (``checkpoint_in_reach``)."""
+    with checkpoint_in_reach(recipe) as checkpoint:
+        family = policies.load_family(recipe.family)
+        policy, _, _ = family.lerobot_policy(checkpoint, recipe, device="cpu")
+    return family, policy
 
 
 def run_recipe(run: RunFolder):

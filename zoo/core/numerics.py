@@ -1,4 +1,5 @@
-"""Comparing an output with its reference: max |diff|, relative L2, cosine, and the pass/fail judgement.
+"""Comparing an output with its reference: max |diff|, relative L2, cosine, and the pass/fail judgement; and the
+bytes a module's weights take (``held_bytes``), which the quantize stage and the roofline both count.
 
 All metrics are computed in float64 so the comparison itself adds no error: piece by piece, on the device the
 tensors are on (a GPU's float64 is exact IEEE arithmetic too), summing float64 partial sums. Why: verifying
@@ -14,6 +15,19 @@ from dataclasses import asdict, dataclass
 from typing import Dict, Optional, Tuple
 
 import torch
+
+
+def held_bytes(modules) -> int:
+    """Bytes of every parameter and buffer the modules hold, each storage once (a tensor shared by two modules, or
+    two views of one storage, counts once; meta tensors, which have no storage, once each)."""
+    seen, total = set(), 0
+    for module in modules:
+        for t in list(module.parameters()) + list(module.buffers()):
+            key = id(t) if t.device.type == "meta" else (t.untyped_storage().data_ptr(), str(t.device))
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+    return total
 
 
 @dataclass

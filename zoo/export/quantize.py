@@ -12,6 +12,7 @@ to ``mm(x, to(w_int8, dtype)) * scale`` (per row) or ``torchao.dequantize_affine
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
@@ -20,6 +21,7 @@ import torch
 
 from zoo.contract import quantization as q
 from zoo.core.errors import QuantizationBlocked, RecipeError
+from zoo.core.numerics import held_bytes
 from zoo.export.trace import float32_copy
 from zoo.policies.base import ExportUnit
 
@@ -46,8 +48,6 @@ def unquantized_copies(unit: ExportUnit, recipe) -> Baselines:
 
 
 def _deep_copy(unit: ExportUnit) -> ExportUnit:
-    import copy
-
     modules = copy.deepcopy({name: m.module for name, m in unit.methods.items()})
     methods = {name: dataclasses.replace(m, module=modules[name]) for name, m in unit.methods.items()}
     return dataclasses.replace(unit, methods=methods, reference=None)
@@ -142,13 +142,7 @@ def quantize_unit(unit: ExportUnit, recipe) -> Dict[str, Any]:
 def weight_bytes(unit: ExportUnit) -> int:
     """Bytes of every parameter and buffer of the unit, each tensor once (int8 weights, scales and zero points
     after quantization): what the unit's weights take in memory, and about what the program stores."""
-    seen, total = set(), 0
-    for spec in unit.methods.values():
-        for t in list(spec.module.parameters()) + list(spec.module.buffers()):
-            if id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-    return total
+    return held_bytes(spec.module for spec in unit.methods.values())
 
 
 def _torchao_version() -> str:
