@@ -25,7 +25,7 @@ import torch
 
 from zoo.bench.roofline import shape_key
 from zoo.contract.run_folder import RunFolder
-from zoo.runner.backends import DeviceState, EagerBackend
+from zoo.runner.backends import EagerBackend
 
 
 class _Graph:
@@ -47,16 +47,11 @@ class GraphedBackend(EagerBackend):
             # moved to a bare "cuda", they fail its fake-tensor pass.
             device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(run, str(device))
-        self.state: DeviceState = {}
         self.buffers: Dict[str, torch.Tensor] = {}
         self._compiled: Dict[str, Callable] = {}
         self._graphs: Dict[Tuple[str, Tuple], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
         self.captures = 0
-
-    def keep_state(self, state: DeviceState) -> None:
-        super().keep_state(state)
-        self.state = {m: dict(outs) for m, outs in state.items()}
 
     def zeros(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         # Zeroed in place when it exists: every captured graph keeps reading this very buffer.

@@ -38,6 +38,7 @@ class Backend:
         self.run = run
         self.device = torch.device(device)
         self.io_spec: IoSpec = run.read_io_spec()
+        self.state: DeviceState = {}
 
     def methods(self) -> List[str]:
         return list(self.io_spec.methods)
@@ -45,6 +46,7 @@ class Backend:
     def keep_state(self, state: DeviceState) -> None:
         """The outputs the family feeds back into later calls; a backend that can keeps them where they are."""
         check_state(state, self.io_spec.methods)
+        self.state = {m: dict(outs) for m, outs in state.items()}
 
     def zeros(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> Any:
         """Zero-filled state to start with (a KV pool), under the name the family feeds it back as."""
@@ -187,12 +189,10 @@ class ExecuTorchBackend(Backend):
         self.requirement = requirement_for(run, io_memory_planning)
         self.session = RuntimeSession(run.pte, run.ptd if run.ptd.is_file() else None, executable=executable,
                                       methods=methods, require_cuda=require_cuda, requirement=self.requirement)
-        self.state: DeviceState = {}
         self._held: Dict[str, Tuple[torch.Tensor, DeviceValue]] = {}
 
     def keep_state(self, state: DeviceState) -> None:
         super().keep_state(state)
-        self.state = {m: dict(outs) for m, outs in state.items()}
         if state and not self.requirement.device_io:
             warn(f"the artifact in {self.run.path} plans its graph inputs in host memory (lowered before zoo left "
                  "them out): the state it hands from call to call is copied to the host and back in every call; "
