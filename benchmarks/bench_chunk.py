@@ -96,7 +96,7 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
                 policy_check(family, recipe, run, checkpoint, weights, args, record)
                 return
             refuse_unverified(run, args.backend, checked=checked_here(out, family))
-            time_candidates(family, recipe, run, checkpoint, weights, args, record)
+            time_candidates(family, recipe, run, checkpoint, weights, args, record, persist=lambda: write(results, out))
             if args.policy_check:
                 gc.collect()
                 if torch.cuda.is_available():
@@ -132,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "programs, for a CPU check of this script)")
     p.add_argument("--executorch", action="store_true",
                    help="also time the runner on ExecuTorch's runtime ($ZOO_ET_RUNNER), side by side")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="also time the runner on the artifact with each method replayed as a CUDA graph "
+                        "(zoo.runner.load(..., cuda_graphs=True)), side by side")
     p.add_argument("--pytorch", action="store_true",
                    help="also time the strongest PyTorch: the rewritten steps compiled whole, CUDA graphs, state in "
                         "place (zoo.bench.graphed), driven by the same host loop")

@@ -104,13 +104,16 @@ def test_recorded_calls_leave_the_state_handed_back_out_of_the_bytes():
 def test_chunk_ratios_and_their_targets():
     candidates = {"runner": {"chunk_ms": {"median": 300.0}, "roofline": {"chunk": {"floor_ms": 200.0}}},
                   "executorch": {"chunk_ms": {"median": 309.0}}, "pytorch": {"chunk_ms": {"median": 600.0}},
+                  "graphs": {"chunk_ms": {"median": 450.0}},
                   "eager": {"chunk_ms": {"median": 1200.0}}, "compile": {"error": "boom"}}
     got = chunk.ratios(candidates)
     assert got == {"runner/eager": 0.25, "runner/compile": None, "runner/pytorch": 0.5,
-                   "executorch/runner": pytest.approx(1.03), "runner/floor": 1.5}
+                   "executorch/runner": pytest.approx(1.03), "runner/floor": 1.5, "graphs/pytorch": 0.75,
+                   "graphs/floor": 2.25, "graphs/runner": 1.5}
     results = {"policies": [{"policy": "p", "status": "done", "ratios": got}]}
     (line,) = chunk.ratio_lines(results)
     assert "runner/pytorch 0.50x (meets <= 0.7)" in line and "runner/floor 1.50x (meets <= 2.0)" in line
+    assert "graphs/floor 2.25x (misses <= 2.0)" in line and "graphs/runner 1.50x (lever)" in line
 
 
 @pytest.mark.e2e

@@ -23,17 +23,17 @@
 #   tiny-bf16 after real (when real is a job): tools/gpu_check.sh on the tiny LingBot-VA and Fast-WAM recipes
 #             exported in bf16 (unit.dtype=bfloat16): verified under zoo's bf16 rule and policy-checked on the
 #             GPU against LeRobot under the same rule, alone on the machine
-#   chunk     after real and runtime (when they are jobs): benchmarks/bench_chunk.py on --chunk's policy (default
-#             fast_wam), one job after the other, alone on the machine: chunk-lower (build, export, lower and
-#             verify every method, on both runtimes when zoo_runner was built, under the sampling profiler),
-#             chunk-bench (whole-chunk latency: the runner, the runner on ExecuTorch's runtime when zoo_runner was
-#             built, the strongest PyTorch, LeRobot eager and LeRobot torch.compile, each with its roofline;
-#             recorded for the model card in the checkout's zoo/data/chunk_latency.json, copied to
-#             WORK/chunk/recorded_chunk_latency.json), chunk-check (zoo's policy check at real size, through
-#             ExecuTorch's runtime when zoo_runner was built, else the artifact runner) and, with zoo_runner,
-#             chunk-methods (every method's latency and the GPU memory after loading on both runtimes,
-#             benchmarks/gpu_runtime_check.py); WORK/chunk holds their tables and JSON. The lowering needs ~52 GB
-#             of free disk at LingBot-VA's size (it says so before compiling when there is less)
+#   chunk     after real (when it is a job): benchmarks/bench_chunk.py on --chunk's policy (default fast_wam),
+#             one job after the other, alone on the machine: chunk-lower (build, export, lower and verify every
+#             method on torch's AOTI runner, under the sampling profiler; beside the runtime build), chunk-check
+#             (zoo's policy check at real size, through ExecuTorch's runtime when the runtime job is there, else
+#             the artifact runner), with zoo_runner chunk-methods (every method's latency and the GPU memory after
+#             loading on both runtimes, benchmarks/gpu_runtime_check.py), then chunk-bench (whole-chunk latency:
+#             the runner, the runner on ExecuTorch's runtime, the runner with CUDA graphs, LeRobot eager, the
+#             strongest PyTorch, each runner with its roofline; recorded for the model card in the checkout's
+#             zoo/data/chunk_latency.json, copied to WORK/chunk/recorded_chunk_latency.json); WORK/chunk holds
+#             their tables and JSON. The lowering needs ~52 GB of free disk at LingBot-VA's size (it says so
+#             before compiling when there is less)
 # Every job writes its log under WORK/jobs/NAME and its tables and JSON under WORK; nothing here waits for them.
 set -uo pipefail
 usage() { sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
@@ -90,8 +90,9 @@ if want real; then
 fi
 if want runtime; then
   src=("$ET_SRC"); [ -f "$ET_SRC" ] && src=(--tarball "$ET_SRC")
-  # 6 compile jobs beside a real-size lowering, which holds most of the host's memory; the chunk job's lowering
-  # waits for this build, so then it takes every core.
+  # 6 compile jobs beside a real-size lowering's compile workers, which hold most of the host's memory; beside the
+  # chunk job's lowering it takes every core at low priority, done (~1 min) while that lowering still builds the
+  # policy on one core.
   build_jobs=6; want real || build_jobs="$(nproc)"
   "$J" start "$WORK" runtime --nice --limit 900 -- bash scripts/build_runtime.sh "${src[@]}" "$WORK/runtime" --jobs "$build_jobs"
 fi
@@ -110,26 +111,27 @@ if want tiny-bf16; then
 fi
 if want chunk; then
   after=(); want real && after=(--after real)
-  # The lowering verifies on both runtimes when the runtime job built zoo_runner (it waits for that job).
-  want runtime && after=(--after "$(want real && echo real,)runtime")
   bench_chunk=(benchmarks/bench_chunk.py --out "$WORK/chunk" --policies "$CHUNK_POLICY")
   chunk() { in_env python3 "${bench_chunk[@]}" "$@"; }
-  no_runner='{ [ -x "$ZOO_ET_RUNNER" ] || unset ZOO_ET_RUNNER; }'
-  et=(); want runtime && et=(--executorch)
-  # Each lowering worker writes its own sampled profile there (zoo.export.lower.workers.ENV_PROFILE_DIR).
-  "$J" start "$WORK" chunk-lower "${after[@]}" --limit 1500 -- bash -c "$(in_env "$no_runner" \&\& env \
+  # The lowering does not wait for the runtime build: it verifies on torch's AOTI runner, and ExecuTorch's runtime
+  # is then judged by the policy check through it and by the method latencies, which do wait for the build.
+  "$J" start "$WORK" chunk-lower "${after[@]}" --limit 1500 -- bash -c "$(in_env unset ZOO_ET_RUNNER \&\& env \
     ZOO_LOWERING_PROFILE_DIR="$WORK/chunk/profiles" python3 -m zoo.core.sampling_profiler \
     --out "$WORK/chunk/lower-profile.txt" "${bench_chunk[@]}" --only lower)"
-  "$J" start "$WORK" chunk-bench --after chunk-lower --limit 1200 -- bash -c "$(chunk --only bench --pytorch "${et[@]}" \
-    --episodes 2 --record) && cp zoo/data/chunk_latency.json \"$WORK/chunk/recorded_chunk_latency.json\""
+  et=(); last=chunk-check
   if want runtime; then
-    # zoo's policy check through ExecuTorch's runtime, then every method on both runtimes, one by one.
-    "$J" start "$WORK" chunk-check --after chunk-bench --limit 900 -- bash -c "$(chunk --only check --backend executorch)"
+    et=(--executorch); last=chunk-methods
+    "$J" start "$WORK" chunk-check --after chunk-lower,runtime --limit 900 -- bash -c "$(chunk --only check --backend executorch)"
     "$J" start "$WORK" chunk-methods --after chunk-check --limit 600 -- bash -c "$(in_env python3 \
       benchmarks/gpu_runtime_check.py "$WORK/chunk/$CHUNK_POLICY/run" --no-verify --steps 0 --latency all --memory --runner "$RUNNER" \
       --out "$WORK/chunk/methods")"
   else
-    "$J" start "$WORK" chunk-check --after chunk-bench --limit 900 -- bash -c "$(chunk --only check)"
+    "$J" start "$WORK" chunk-check --after chunk-lower --limit 900 -- bash -c "$(chunk --only check)"
   fi
+  # Last, as the longest: LeRobot's per-block compile is left out (measured before, slower than eager for
+  # LingBot-VA), and the compiled PyTorch steps come after LeRobot eager; the bench writes its JSON after every
+  # candidate, so a run cut short keeps what it measured.
+  "$J" start "$WORK" chunk-bench --after "$last" --limit 1500 -- bash -c "$(chunk --only bench --cuda-graphs "${et[@]}" \
+    --pytorch --no-compile --episodes 2 --chunks 3 --record) && cp zoo/data/chunk_latency.json \"$WORK/chunk/recorded_chunk_latency.json\""
 fi
 "$J" table "$WORK"

@@ -8,6 +8,7 @@ Run folders: ``ZOO_GPU_RUNS=/path/runs`` reuses already-lowered ones (``/path/ru
 bf16 case ``/path/runs/<recipe>-bf16``, exported with ``unit.dtype=bfloat16``), so a GPU run does not lower
 the tiny recipes twice. A recipe whose folder is not there is exported and lowered here, into a temporary folder.
 
+* The same check with ``cuda_graphs=True`` (each method replayed as a CUDA graph, ``zoo.runner.graphs``).
 * float32 units: per chunk relative L2 <= ``policy_check.tolerance.gpu_float32`` (1e-4) under full float32 (no
   TF32). Verification measured 2e-7 to 3e-6 per method call; a chunk is 10 (Fast-WAM) or 74 (LingBot-VA) calls,
   each fed the previous one's output, so the per-call error may grow along the chunk; the table printed shows it.
@@ -56,11 +57,14 @@ def lowered_run(name: str, overrides, tmp_path: Path):
     return recipe, run
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["launched", "cuda-graphs"])
 @pytest.mark.parametrize("name", RECIPES)
-def test_artifact_runner_matches_lerobot_float32(name, tmp_path):
+def test_artifact_runner_matches_lerobot_float32(name, cuda_graphs, tmp_path):
+    """With ``cuda_graphs``, every method replayed from its captured graph, the state in the backend's buffers: the
+    same LeRobot reference and tolerance."""
     recipe, run = lowered_run(name, (), tmp_path)
     with checkpoint_in_reach(recipe) as checkpoint:
-        result = check_run(run, recipe, checkpoint, backend="artifact", device="cuda")
+        result = check_run(run, recipe, checkpoint, backend="artifact", device="cuda", cuda_graphs=cuda_graphs)
     print(result.table())
     assert result.rule == "float32" and len(result.rows) == recipe.policy_check.chunks + 1
     assert result.ok, result.table()

@@ -146,6 +146,11 @@ def test_missing_prompt_names_the_command(run):
         runner.select_action(observations(1)[0])
 
 
+def test_cuda_graphs_on_a_backend_that_has_none_is_refused(run):
+    with pytest.raises(RunnerError, match="cuda_graphs=True replays the artifact's .so files; backend 'eager'"):
+        load(run[0], backend="eager", cuda_graphs=True)
+
+
 def test_prompt_of_another_policy_is_refused(run, prompt_file, tmp_path):
     other = PromptEmbedding.load(prompt_file)
     other.policy_type = "lingbot_va"

@@ -1,5 +1,5 @@
 """The chunk bench's runner candidates and their roofline: ``runner`` (zoo.runner on ``--backend``), ``executorch``
-(zoo.runner on ExecuTorch's own runtime), ``pytorch`` (zoo.runner's host loop over the strongest PyTorch steps,
+(zoo.runner on ExecuTorch's own runtime), ``graphs`` (zoo.runner on the artifact, each method a CUDA graph), ``pytorch`` (zoo.runner's host loop over the strongest PyTorch steps,
 ``zoo.bench.graphed``), each timed over whole chunks and then once more call by call, every call's floor worked
 out (``zoo.bench.roofline``).
 """
@@ -20,6 +20,7 @@ from zoo.runner.loading import RUNNERS
 # Candidate -> what it is, for tables and cards.
 RUNNER_LABELS = {"runner": "zoo.runner on --backend (artifact: torch's AOTI runner)",
                  "executorch": "zoo.runner on the artifact (ExecuTorch's runtime, zoo_runner)",
+                 "graphs": "zoo.runner on the artifact, each method replayed as a CUDA graph (torch's AOTI runner)",
                  "pytorch": "the strongest PyTorch: whole steps torch.compile'd, CUDA graphs, state in place"}
 
 
@@ -29,11 +30,13 @@ def sync(device: str) -> None:
 
 
 def make_runner(candidate: str, run: RunFolder, backend: str, device: str) -> Any:
-    """The runner a candidate times: ``runner`` on ``backend``, ``executorch``, or ``pytorch``."""
+    """The runner a candidate times: ``runner`` on ``backend``, ``executorch``, ``graphs`` or ``pytorch``."""
     if candidate == "runner":
         return load_runner(run, backend=backend, device=device)
     if candidate == "executorch":
         return load_runner(run, backend="executorch", device=device)
+    if candidate == "graphs":
+        return load_runner(run, backend="artifact", device=device, cuda_graphs=True)
     if candidate == "pytorch":
         settings = run.read_host_settings()
         return RUNNERS[settings.policy_type](run, GraphedBackend(run, device))

@@ -23,6 +23,7 @@ from torch.utils import flop_counter
 
 from zoo.bench.measuring import Stats, copy_bandwidth, measure, timer_for
 from zoo.core.numerics import held_bytes
+from zoo.runner.graphs import shape_key
 
 aten = torch.ops.aten
 
@@ -48,11 +49,6 @@ def nbytes(value: Any) -> int:
     for d in shape:
         count *= int(d)
     return count * torch.empty((), dtype=_dtype(dtype)).element_size()
-
-
-def shape_key(values: Sequence[Any]) -> Tuple:
-    """What the FLOPs of a call depend on: each input's shape and dtype."""
-    return tuple((tuple(int(d) for d in getattr(v, "shape", ())), str(getattr(v, "dtype", ""))) for v in values)
 
 
 def weight_bytes(module: torch.nn.Module) -> int:

@@ -7,10 +7,10 @@ that run (docs/benchmarks.md). An artifact's card names the recipe's entry, its 
 measured.
 
 An entry: ``gpu``, ``measured`` (date), ``command``, ``dtype``, ``actions_per_chunk``, ``weights`` (how they were
-made), and per candidate (``runner``, ``executorch``, ``pytorch``, ``eager``, ``compile``: those that were timed)
+made), and per candidate (``runner``, ``executorch``, ``graphs``, ``pytorch``, ``eager``, ``compile``: those that were timed)
 ``median_ms``, ``p10_ms``, ``p90_ms`` and ``actions_per_second``; ``floor_ms``, the chunk's hardware floor
 (``zoo.bench.roofline``; None when not worked out); ``ratios`` (those of ``zoo.bench.chunk.TARGETS`` that were
-measured: ``runner/eager``, ``runner/compile``, ``runner/pytorch``, ``executorch/runner``, ``runner/floor``).
+measured, and LEVERS: what a lever buys, e.g. ``graphs/runner``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Dict, Mapping, Optional
 from zoo.core import atomic
 
 MEASURED_JSON = Path(__file__).resolve().parents[1] / "data" / "chunk_latency.json"
-CANDIDATES = ("runner", "executorch", "pytorch", "eager", "compile")
+CANDIDATES = ("runner", "executorch", "graphs", "pytorch", "eager", "compile")
 
 
 def read_measured(path: Optional[Path] = None) -> Dict[str, Dict[str, Any]]:

@@ -91,9 +91,10 @@ def episode(run: RunFolder, recipe) -> List[dict]:
 
 
 def check_run(run: RunFolder, recipe, checkpoint: Path, *, backend: str = "eager",
-              device: str = "cpu") -> PolicyCheckResult:
-    """The runner over ``run`` (``backend`` on ``device``) against LeRobot's policy from ``checkpoint`` on the
-    same device. Returns the per-chunk result; raising on a failed one is the caller's."""
+              device: str = "cpu", cuda_graphs: bool = False) -> PolicyCheckResult:
+    """The runner over ``run`` (``backend`` on ``device``, its methods replayed as CUDA graphs with
+    ``cuda_graphs``) against LeRobot's policy from ``checkpoint`` on the same device. Returns the per-chunk
+    result; raising on a failed one is the caller's."""
     family = policies.load_family(recipe.family)
     check = recipe.policy_check
     observations = episode(run, recipe)
@@ -126,7 +127,7 @@ def check_run(run: RunFolder, recipe, checkpoint: Path, *, backend: str = "eager
             bar.advance()
             del policy, pre, post
         bar.begin(f"the {backend} runner")
-        runner = load_runner(run, backend=backend, device=device)
+        runner = load_runner(run, backend=backend, device=device, cuda_graphs=cuda_graphs)
         try:
             runner.load_prompt(prompt)
             result = compare_episode(runner, expected, observations, seed=check.seed, tolerance=tolerance,

@@ -12,6 +12,7 @@ from zoo.contract.run_folder import RunFolder
 from zoo.runner.backends import BACKENDS, make_backend
 from zoo.runner.base import Embedder, PolicyRunner
 from zoo.runner.fast_wam import FastWAMRunner
+from zoo.runner.graphs import GraphedArtifactBackend
 from zoo.runner.lingbot_va import LingBotVARunner
 
 # policy_type (host_settings.json) -> its host loop.
@@ -50,7 +51,7 @@ def resolve(source: Union[str, Path, RunFolder]) -> RunFolder:
 
 def load(source: Union[str, Path, RunFolder], backend: str = "eager", device: Optional[str] = None,
          processors: bool = True, et_runner: Optional[Union[str, Path]] = None,
-         embedder: Optional[Embedder] = None) -> PolicyRunner:
+         embedder: Optional[Embedder] = None, cuda_graphs: bool = False) -> PolicyRunner:
     """The runner of a run folder or published artifact.
 
     ``backend``: ``"eager"`` runs the rewritten programs (``rewritten.<method>.pt2``) with PyTorch, on the CPU by
@@ -66,6 +67,9 @@ def load(source: Union[str, Path, RunFolder], backend: str = "eager", device: Op
     policy's own text encoder; lerobot_policy_zoo has one); the runner stores its output in the run's
     ``prompts/`` and loads it from there afterwards. Without one, such a task is refused with the command that
     makes its prompt file.
+    ``cuda_graphs=True`` (backend ``"artifact"``): each method is captured once per input shapes in a CUDA graph and
+    replayed, the state the host loop hands on kept in one GPU buffer per name (``zoo.runner.graphs``): the host's
+    kernel launches leave the call, for one device copy of each state output.
     """
     run = resolve(source)
     settings = run.read_host_settings()
@@ -76,5 +80,11 @@ def load(source: Union[str, Path, RunFolder], backend: str = "eager", device: Op
                           f"policy_type {kind!r})", f"the runner drives these policy types: {known}")
     if device is None:
         device = {"artifact": "cuda", "executorch": "cuda" if torch.cuda.is_available() else "cpu"}.get(backend, "cpu")
-    return RUNNERS[kind](run, make_backend(backend, run, device, et_runner=str(et_runner) if et_runner else None),
-                         processors=processors, embedder=embedder)
+    if cuda_graphs:
+        if backend != "artifact":
+            raise RunnerError(f"cuda_graphs=True replays the artifact's .so files; backend {backend!r} cannot",
+                              "pass backend='artifact' (ExecuTorch 1.2's runtime has no CUDA graph mode)")
+        chosen = GraphedArtifactBackend(run, device, list(run.read_io_spec().methods))
+    else:
+        chosen = make_backend(backend, run, device, et_runner=str(et_runner) if et_runner else None)
+    return RUNNERS[kind](run, chosen, processors=processors, embedder=embedder)

@@ -72,7 +72,7 @@ class AotiRunner:
     failing inside the loader or at its first kernel launch. ``run_dir`` goes into that message's command."""
 
     def __init__(self, so_path: Union[str, Path], weights_path: Union[str, Path, None], device: str = "cuda", *,
-                 run_dir: Optional[Union[str, Path]] = None):
+                 run_dir: Optional[Union[str, Path]] = None, single_threaded: bool = False):
         if not torch.cuda.is_available():
             raise NoGpuError("running the compiled .so needs a CUDA device and none is visible",
                              "verify on the machine with the GPU (`python -m zoo lower RUN_DIR`)")
@@ -81,7 +81,10 @@ class AotiRunner:
                                        run_dir=str(run_dir or "RUN_DIR"))[self.so_path.stem]
         promote_libtorch_global()
         try:
-            self._runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(self.so_path), 1, device)
+            # single_threaded: the container's entry point that records no "run finished" event, so a CUDA graph
+            # can capture a call (zoo.runner.graphs).
+            args = (str(self.so_path), 1, device) + (("", True) if single_threaded else ())
+            self._runner = torch._C._aoti.AOTIModelContainerRunnerCuda(*args)
             load_weights(self._runner, weights_path)
         except RuntimeError as exc:
             raise VerificationFailed(f"torch's AOTI runner cannot load {self.so_path}: {exc}",

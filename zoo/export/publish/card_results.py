@@ -210,6 +210,7 @@ def chunk_latency_section(manifest: Mapping[str, Any]) -> List[str]:
             f"once, outside). Command: `{entry.get('command')}`.", ""]
     labels = {"runner": "`zoo.runner` on this artifact (torch's AOTI runner)",
               "executorch": "`zoo.runner` on this artifact (ExecuTorch's runtime)",
+              "graphs": "`zoo.runner` on this artifact, each method a CUDA graph (`cuda_graphs=True`)",
               "pytorch": "the strongest PyTorch: whole steps `torch.compile`d, CUDA graphs, state in place",
               "eager": "LeRobot's `select_action`, eager PyTorch",
               "compile": "LeRobot's `select_action`, DiT blocks `torch.compile`d"}
@@ -224,7 +225,8 @@ def chunk_latency_section(manifest: Mapping[str, Any]) -> List[str]:
     out += [markdown_table(table), ""]
     named = {"runner/eager": "runner / eager", "runner/compile": "runner / torch.compile",
              "runner/pytorch": "runner / the strongest PyTorch", "executorch/runner": "ExecuTorch's runtime / runner",
-             "runner/floor": "runner / floor"}
+             "runner/floor": "runner / floor", "graphs/runner": "CUDA graphs / runner",
+             "graphs/pytorch": "CUDA graphs / the strongest PyTorch", "graphs/floor": "CUDA graphs / floor"}
     out += ["; ".join(f"{label}: {_num(ratios.get(key), '.2f')}" for key, label in named.items()
                       if key in ("runner/eager", "runner/compile") or ratios.get(key) is not None) + ".", ""]
     return out
