@@ -16,8 +16,9 @@
 # CUDA, the CUDA backend and its shim library), in Release with ExecuTorch's logging compiled in.
 # A second call with the same source, flags and tools reuses OUT_DIR (configure skipped, ninja finds nothing to do).
 # Patches: runtime/patches/executorch-<MAJOR.MINOR>-*.patch are applied to a source of that release (a tarball as
-#   it is unpacked, a tree to a copy under OUT_DIR/src) and named in the stamp and in `zoo_runner --info`; for 1.2 the
-#   one patch backports 1.4's weight_sharing_across_methods (the file says why). ZOO_RUNTIME_PATCHES=none skips them.
+#   it is unpacked, a tree to a copy under OUT_DIR/src) in sorted order and named in the stamp and in `zoo_runner
+#   --info`; for 1.2 one frees the output handles a .so replaces (1.2 leaks them in every call) and one backports
+#   1.4's weight_sharing_across_methods (each file says why). ZOO_RUNTIME_PATCHES=none skips them.
 # --cpu (or ZOO_RUNTIME_CUDA=OFF): without the CUDA backend, the portable runtime only (for a CPU machine).
 # Environment: ZOO_RUNTIME_CUDA (ON/OFF, default ON), PYTHON (the Python whose torch the CUDA backend's configure
 #   finds, default python3), CMAKE (default cmake), JOBS (default nproc), ZOO_CMAKE_ARGS (extra CMake arguments,

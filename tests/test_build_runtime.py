@@ -121,7 +121,7 @@ def test_a_release_source_its_patch_does_not_fit_is_refused_and_leaves_no_source
     out = tmp_path / "out"
     done = build(tools, "--tarball", tarball, out, version_file=tree / "version.txt")
     assert done.returncode == 2
-    assert "executorch-1.2-weight-sharing.patch does not apply" in done.stderr
+    assert "executorch-1.2-output-leak.patch does not apply" in done.stderr  # the first, in sorted order
     assert not (out / "src").exists() and not (out / "src.tmp").exists()
 
 
