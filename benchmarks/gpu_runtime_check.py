@@ -244,14 +244,17 @@ def latency_lines(res: Dict[str, Any]) -> List[str]:
     words = {"device": "all inputs on the GPU, all outputs left there", "state": "state on the GPU, the rest host",
              "host_io": "every input from the host, every output back"}
     for row in res.get("latency", []):
+        # The peak over every call against what loading took: memory that grows with the calls is a leak (ExecuTorch
+        # 1.2 as released kept every call's outputs: ~1.8 GB a LingBot-VA DiT call).
         lrows = [["runner", "I/O in each call", "median ms", "p90 ms", "execute ms", "load ms", "GPU MiB after loading",
-                  "ok"]]
+                  "GPU MiB peak", "ok"]]
         for runner in ("executorch", "aoti"):
             for mode in IO_MODES:
                 r = row.get(f"{runner}_{mode}", {})
                 lrows.append([runner, words[mode], _num(r.get("median_ms"), ".3f"), _num(r.get("p90_ms"), ".3f"),
                               _num(r.get("median_execute_ms"), ".3f"), _num(r.get("load_ms")),
-                              _num(r.get("gpu_loaded_mib")), "yes" if r.get("ok") else f"no: {r.get('error', '')}"])
+                              _num(r.get("gpu_loaded_mib")), _num(r.get("gpu_used_mib_peak")),
+                              "yes" if r.get("ok") else f"no: {r.get('error', '')}"])
         state = row.get("state", {})
         lines.append(f"{res['recipe']} {row['method']} at seed {row['seed']}, sizes {row['sizes']}: {row['warmup']} "
                      f"warm-up + {row['iters']} timed calls; state inputs {state.get('inputs')}, state outputs "
