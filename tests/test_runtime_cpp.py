@@ -148,7 +148,8 @@ def test_plan_feeds_the_pool_inside_the_runner(program, tmp_path):
     assert result.summary["ok"] and result.summary["steps"] == 5 and len(result.step_ms) == 5
     for (readout, pool), got in zip(want, result.outputs):
         assert close(got[0], readout) and torch.equal(got[1], pool)
-    assert "@3:1" in (tmp_path / "plan" / "plan.txt").read_text()
+    plan = (tmp_path / "plan" / "plan.txt").read_text()
+    assert "keep:r3_1" in plan and "$r3_1" in plan  # step 4 read step 3's pool inside the runner, by name
 
 
 def test_wrong_input_dtype_is_named_before_the_runtime_sees_it(program, tmp_path):
