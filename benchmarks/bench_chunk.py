@@ -4,7 +4,7 @@
     python benchmarks/bench_chunk.py --out OUT [--policies lingbot_va fast_wam] [--chunks 4] [--episodes 3]
 
 The candidates, what is timed, the weights, the stages (--only), the policy check and --record:
-benchmarks/README.md, "bench_chunk.py"; the code it runs is zoo.bench.chunk.
+benchmarks/README.md, "bench_chunk.py"; the code it runs is zoo.bench.chunk (tables: zoo.bench.chunk_tables).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import torch
 
 from zoo import bench, policies
 from zoo.bench import roofline
-from zoo.bench.chunk import (POLICIES, TARGETS, check_passed, checked_here, policy_check, policy_check_section,
-                             policy_source, ratio_lines, record_timings, refuse_unverified, say, table_rows,
-                             time_candidates, write)
+from zoo.bench.chunk import (POLICIES, TARGETS, check_passed, checked_here, policy_check, policy_source,
+                             record_timings, refuse_unverified, say, time_candidates)
+from zoo.bench.chunk_tables import policy_check_section, ratio_lines, table_rows, write
 from zoo.bench.chunk_runners import floor_rows
 from zoo.contract import chunk_latency
 from zoo.contract.recipes import load_recipe

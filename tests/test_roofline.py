@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from zoo.bench import chunk
+from zoo.bench import chunk, chunk_tables
 from zoo.bench.roofline import CallRecorder, Rates, chunk_floor, nbytes, program_flops, weight_bytes
 
 
@@ -111,7 +111,7 @@ def test_chunk_ratios_and_their_targets():
                    "executorch/runner": pytest.approx(1.03), "runner/floor": 1.5, "graphs/pytorch": 0.75,
                    "graphs/floor": 2.25, "graphs/runner": 1.5}
     results = {"policies": [{"policy": "p", "status": "done", "ratios": got}]}
-    (line,) = chunk.ratio_lines(results)
+    (line,) = chunk_tables.ratio_lines(results)
     assert "runner/pytorch 0.50x (meets <= 0.7)" in line and "runner/floor 1.50x (meets <= 2.0)" in line
     assert "graphs/floor 2.25x (misses <= 2.0)" in line and "graphs/runner 1.50x (lever)" in line
 

@@ -1,8 +1,9 @@
 """What ``benchmarks/bench_chunk.py`` puts together: observation -> actions for one whole action chunk.
 
-Real-size policies with seeded random weights and Hub stand-ins, the three candidates' timing (runner, LeRobot
-eager, LeRobot torch.compile), zoo's policy check of the run, and the JSON/Markdown results. What is measured and
-why: benchmarks/README.md and docs/benchmarks.md, "Chunk latency".
+Real-size policies with seeded random weights and Hub stand-ins, the candidates' timing (the runner candidates of
+``zoo.bench.chunk_runners``, LeRobot eager, LeRobot torch.compile), their ratios, zoo's policy check of the run and
+what is recorded for model cards; the tables and files are ``zoo.bench.chunk_tables``. What is measured and why:
+benchmarks/README.md and docs/benchmarks.md, "Chunk latency".
 """
 
 from __future__ import annotations
@@ -20,13 +21,12 @@ import torch
 
 from zoo import policies
 from zoo.bench.candidates import error_line
-from zoo.bench.chunk_runners import RUNNER_LABELS, chunk_floor_of, floor_rows, make_runner, sync, time_runner
+from zoo.bench.chunk_runners import RUNNER_LABELS, chunk_floor_of, make_runner, sync, time_runner
 from zoo.bench.measuring import Stats
 from zoo.bench.roofline import ProgramCosts, Rates
 from zoo.bench.seeded import fast_wam_config, placeholder_checkpoint, write_seeded_processors
 from zoo.contract import chunk_latency
 from zoo.contract.run_folder import RunFolder
-from zoo.core.report import markdown_table
 from zoo.export.hub_cache import hub_environment, put_in_cache
 from zoo.export.policy_check import check_run, checkpoint_in_reach
 from zoo.policies import fast_init
@@ -407,110 +407,6 @@ def ratios(candidates: Dict[str, Dict[str, Any]]) -> Dict[str, Optional[float]]:
         top, bottom = (median(part) for part in key.split("/"))
         out[key] = top / bottom if top and bottom else None
     return out
-
-
-# ------------------------------------------------------------------------------------------------------
-# Rendering
-
-
-CANDIDATE_ORDER = ("runner", "executorch", "graphs", "pytorch", "eager", "compile")
-
-
-def table_rows(results: Dict[str, Any]) -> List[List[str]]:
-    """One row per policy and candidate: the chunk's median, actions per second, agreement with LeRobot eager,
-    the chunk's floor and the ratio to it."""
-    rows = [["policy", "candidate", "ms per chunk (p10, p90)", "actions/s", "vs LeRobot eager rel L2", "floor ms",
-             "/floor"]]
-    for r in results["policies"]:
-        if r.get("status") == "checked":
-            continue  # the policy check alone: its own section
-        if r.get("status") != "done":
-            rows.append([r["policy"], r.get("status", "?"), r.get("error", "")] + [""] * 4)
-            continue
-        for name in CANDIDATE_ORDER:
-            c = r["candidates"].get(name)
-            if c is None:
-                continue
-            rows.append([f"{r['policy']} ({r['dtype']}, {r['actions_per_chunk']} actions)", name] + _cells(c))
-    return rows
-
-
-def _cells(c: Dict[str, Any]) -> List[str]:
-    if c.get("error"):
-        return [f"failed: {c['error']}"[:120], "", "", "", ""]
-    s = c.get("chunk_ms")
-    aps = c.get("actions_per_second")
-    rel = c.get("vs_eager_rel_l2")
-    floor = chunk_floor_of(c)
-    return [f"{s['median']:.1f} ({s['p10']:.1f}, {s['p90']:.1f})" if s else "-", f"{aps:.1f}" if aps else "-",
-            f"{rel:.2e}" if rel is not None else "-", f"{floor:.1f}" if floor else "-",
-            f"{s['median'] / floor:.2f}x" if s and floor else "-"]
-
-
-def ratio_lines(results: Dict[str, Any]) -> List[str]:
-    """Each timed policy's ratios against their targets, one line each."""
-    lines = []
-    for r in results["policies"]:
-        if r.get("status") != "done":
-            continue
-        parts = []
-        for key, value in (r.get("ratios") or {}).items():
-            if value is not None and key in TARGETS:
-                parts.append(f"{key} {value:.2f}x ({'meets' if value <= TARGETS[key] else 'misses'} <= {TARGETS[key]})")
-            elif value is not None:
-                parts.append(f"{key} {value:.2f}x (lever)")
-        lines.append(f"{r['policy']}: " + ("; ".join(parts) or "no ratio measured"))
-    return lines
-
-
-def write(results: Dict[str, Any], out: Path) -> None:
-    check_only = results["settings"]["only"] == "check"
-    json_name, md_name = (CHECK_JSON_NAME, CHECK_MD_NAME) if check_only else (JSON_NAME, MD_NAME)
-    (out / json_name).write_text(json.dumps(results, indent=2, default=str))
-    env = results["environment"]
-    title = ("Policy check of the lowered runs" if check_only
-             else "Chunk latency: observation -> actions for one whole chunk")
-    md = [f"# {title}", "",
-          f"Command: `{results['command']}`", "",
-          f"GPU: {env.get('gpu') or env.get('device')}; torch {env.get('torch')}; executorch {env.get('executorch')}.",
-          ""] + ([] if check_only else [markdown_table(table_rows(results)), ""] + ratio_lines(results) + [""]
-                 + roofline_section(results))
-    md += policy_check_section(results)
-    (out / md_name).write_text("\n".join(md))
-
-
-def roofline_section(results: Dict[str, Any]) -> List[str]:
-    """The rates the floors were worked out with, and the per-method table."""
-    rates = results.get("rates")
-    if not rates:
-        return []
-    return ["## The roofline: each call's floor", "",
-            f"Measured in this run: device copy {rates['copy_gbps']:.0f} GB/s (read + written), dense "
-            f"{rates['gemm']['dtype']} GEMM {rates['gemm_tflops']:.0f} TFLOP/s ({rates['gemm']['size']}^3). "
-            "A call's floor is the larger of the bytes it must move (weights, inputs, outputs that are not state "
-            "handed back) over the first and its FLOPs over the second (zoo.bench.roofline).", "",
-            markdown_table(floor_rows(results)), ""]
-
-
-def policy_check_section(results: Dict[str, Any]) -> List[str]:
-    """The markdown section of the policy checks that ran: verdict, rule and zoo's per-chunk table."""
-    checked = [r for r in results["policies"] if r.get("policy_check")]
-    if not checked:
-        return []
-    md = ["## Policy check: the runner against LeRobot's select_action (zoo.export.policy_check.check_run)", "",
-          ("zoo's fabricated tiny checkpoints." if fabricated_checkpoint(results["settings"]) else
-           "Seeded weights drawn in the unit's dtype, so LeRobot's bf16 and float32 policies and the lowered unit "
-           "hold the same values.")
-          + " A bf16 unit is judged by zoo's bf16 rule, a float32 one by its float32 tolerance.", ""]
-    for r in checked:
-        c = r["policy_check"]
-        result = c.get("result") or {}
-        md.append(f"### {r['policy']} ({r['dtype']}): {c['status'].upper()}"
-                  + (f", {result.get('rule')} rule, {result.get('chunks')} chunks" if result else "")
-                  + f" ({c.get('seconds')} s)")
-        md += ["", "```", c.get("table") or c.get("error", ""), "```", ""]
-    return md
-
 
 
 def record_timings(results: Dict[str, Any], args, command: str) -> Optional[Path]:
