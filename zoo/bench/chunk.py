@@ -263,9 +263,9 @@ def time_candidates(family: str, recipe, run: RunFolder, checkpoint: Path, weigh
         time_candidate(candidate, family, run, embedding, observations, starts, args, costs, rates, timed, record)
         persist()
     # LeRobot before the compiled PyTorch steps: Inductor's compile at real size is the longest stage of a run.
-    timed.update(time_lerobot(family, ProcessedPolicy(policy, pre, post), policy, observations, starts, args,
-                              record))
-    keep_timings(timed, record)
+    lerobot = time_lerobot(family, ProcessedPolicy(policy, pre, post), policy, observations, starts, args, record)
+    timed.update(lerobot)
+    keep_timings(lerobot, record)
     persist()
     for candidate in late:
         time_candidate(candidate, family, run, embedding, observations, starts, args, costs, rates, timed, record)
@@ -277,7 +277,7 @@ def time_candidates(family: str, recipe, run: RunFolder, checkpoint: Path, weigh
 def runner_candidates(args) -> Tuple[List[str], List[str]]:
     """The runner candidates timed before LeRobot, and those after it."""
     early = (["runner"] + (["executorch"] if args.executorch else [])
-             + (["graphs"] if getattr(args, "cuda_graphs", False) else []))
+             + (["graphs"] if args.cuda_graphs else []))
     return early, (["pytorch"] if args.pytorch else [])
 
 
@@ -349,7 +349,7 @@ def time_lerobot(family: str, reference: ProcessedPolicy, policy: Any, observati
 def judge(timed: Dict[str, Dict[str, Any]], record: Dict[str, Any]) -> None:
     """The candidates' numbers, their ratios and each runner candidate's distance from LeRobot eager into
     ``record``."""
-    keep_timings(timed, record)
+    # Every candidate's timing is in the record already (keep_timings, as each was measured).
     # How far each runner's actions are from LeRobot eager's on the timed episode (same seed and weights).
     reference = timed["eager"]["actions"]
     for name in RUNNER_LABELS:

@@ -1,7 +1,7 @@
 """The chunk bench's runner candidates and their roofline: ``runner`` (zoo.runner on ``--backend``), ``executorch``
-(zoo.runner on ExecuTorch's own runtime), ``graphs`` (zoo.runner on the artifact, each method a CUDA graph), ``pytorch`` (zoo.runner's host loop over the strongest PyTorch steps,
-``zoo.bench.graphed``), each timed over whole chunks and then once more call by call, every call's floor worked
-out (``zoo.bench.roofline``).
+(zoo.runner on ExecuTorch's own runtime), ``graphs`` (zoo.runner on the artifact, each method a CUDA graph),
+``pytorch`` (zoo.runner's host loop over the strongest PyTorch steps, ``zoo.bench.graphed``), each timed over whole
+chunks and then once more call by call, every call's floor worked out (``zoo.bench.roofline``).
 """
 
 from __future__ import annotations

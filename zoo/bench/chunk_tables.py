@@ -4,12 +4,12 @@ roofline section, the policy check section, and ``chunk_latency.json`` / ``.md``
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Dict, List
 
 from zoo.bench.chunk import (CHECK_JSON_NAME, CHECK_MD_NAME, JSON_NAME, MD_NAME, TARGETS, fabricated_checkpoint)
 from zoo.bench.chunk_runners import chunk_floor_of, floor_rows
+from zoo.core import atomic
 from zoo.core.report import markdown_table
 
 CANDIDATE_ORDER = ("runner", "executorch", "graphs", "pytorch", "eager", "compile")
@@ -63,9 +63,11 @@ def ratio_lines(results: Dict[str, Any]) -> List[str]:
 
 
 def write(results: Dict[str, Any], out: Path) -> None:
+    """Both files, each replaced whole (the bench writes them after every candidate: a run killed mid-write keeps
+    the previous ones)."""
     check_only = results["settings"]["only"] == "check"
     json_name, md_name = (CHECK_JSON_NAME, CHECK_MD_NAME) if check_only else (JSON_NAME, MD_NAME)
-    (out / json_name).write_text(json.dumps(results, indent=2, default=str))
+    atomic.write_json(out / json_name, results)
     env = results["environment"]
     title = ("Policy check of the lowered runs" if check_only
              else "Chunk latency: observation -> actions for one whole chunk")
@@ -75,7 +77,7 @@ def write(results: Dict[str, Any], out: Path) -> None:
           ""] + ([] if check_only else [markdown_table(table_rows(results)), ""] + ratio_lines(results) + [""]
                  + roofline_section(results))
     md += policy_check_section(results)
-    (out / md_name).write_text("\n".join(md))
+    atomic.write_text(out / md_name, "\n".join(md))
 
 
 def roofline_section(results: Dict[str, Any]) -> List[str]:
