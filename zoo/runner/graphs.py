@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from zoo.core.errors import RunnerError
+from zoo.core.errors import VerificationFailed
 from zoo.runner.backends import ArtifactBackend
 from zoo.runtimes.aoti import AotiRunner
 
@@ -151,9 +151,7 @@ class GraphedArtifactBackend(GraphReplay, ArtifactBackend):
         # The single-threaded entry point records no "run finished" event, which a capture could not query.
         try:
             return AotiRunner(so, weights, device, run_dir=self.run.path, single_threaded=True)
-        except RunnerError:
-            raise
-        except Exception:  # a .so without that entry point: the event is queried, which "relaxed" capture allows
+        except VerificationFailed:  # no such entry point: the event is queried, which "relaxed" capture allows
             self.capture_mode = "relaxed"
             return AotiRunner(so, weights, device, run_dir=self.run.path)
 
