@@ -27,12 +27,12 @@
 #             one job after the other, alone on the machine: chunk-lower (build, export, lower and verify every
 #             method on torch's AOTI runner, under the sampling profiler; beside the runtime build), chunk-check
 #             (zoo's policy check at real size, through ExecuTorch's runtime when the runtime job is there, else
-#             the artifact runner), with zoo_runner chunk-methods (every method's latency and the GPU memory after
-#             loading on both runtimes, benchmarks/gpu_runtime_check.py), then chunk-bench (whole-chunk latency:
-#             the runner, the runner on ExecuTorch's runtime, the runner with CUDA graphs, LeRobot eager, the
-#             strongest PyTorch, each runner with its roofline; recorded for the model card in the checkout's
-#             zoo/data/chunk_latency.json, copied to WORK/chunk/recorded_chunk_latency.json); WORK/chunk holds
-#             their tables and JSON. The lowering needs ~52 GB of free disk at LingBot-VA's size (it says so
+#             the artifact runner), then chunk-bench (whole-chunk latency: the runner, the runner on ExecuTorch's
+#             runtime, the runner with CUDA graphs, LeRobot eager, the strongest PyTorch, each runner with its
+#             roofline; recorded for the model card in the checkout's zoo/data/chunk_latency.json, copied to
+#             WORK/chunk/recorded_chunk_latency.json), then, with zoo_runner, chunk-methods (the DiT methods'
+#             latency on both runtimes, the GPU memory after loading and its peak over the calls,
+#             benchmarks/gpu_runtime_check.py); WORK/chunk holds their tables and JSON. The lowering needs ~52 GB of free disk at LingBot-VA's size (it says so
 #             before compiling when there is less)
 # Every job writes its log under WORK/jobs/NAME and its tables and JSON under WORK; nothing here waits for them.
 set -uo pipefail
@@ -118,20 +118,22 @@ if want chunk; then
   "$J" start "$WORK" chunk-lower "${after[@]}" --limit 1500 -- bash -c "$(in_env unset ZOO_ET_RUNNER \&\& env \
     ZOO_LOWERING_PROFILE_DIR="$WORK/chunk/profiles" python3 -m zoo.core.sampling_profiler \
     --out "$WORK/chunk/lower-profile.txt" "${bench_chunk[@]}" --only lower)"
-  et=(); last=chunk-check
+  et=()
   if want runtime; then
-    et=(--executorch); last=chunk-methods
+    et=(--executorch)
     "$J" start "$WORK" chunk-check --after chunk-lower,runtime --limit 900 -- bash -c "$(chunk --only check --backend executorch)"
-    "$J" start "$WORK" chunk-methods --after chunk-check --limit 600 -- bash -c "$(in_env python3 \
-      benchmarks/gpu_runtime_check.py "$WORK/chunk/$CHUNK_POLICY/run" --no-verify --steps 0 --latency all --memory --runner "$RUNNER" \
-      --out "$WORK/chunk/methods")"
   else
     "$J" start "$WORK" chunk-check --after chunk-lower --limit 900 -- bash -c "$(chunk --only check)"
   fi
-  # Last, as the longest: LeRobot's per-block compile is left out (measured before, slower than eager for
-  # LingBot-VA), and the compiled PyTorch steps come after LeRobot eager; the bench writes its JSON after every
-  # candidate, so a run cut short keeps what it measured.
-  "$J" start "$WORK" chunk-bench --after "$last" --limit 1500 -- bash -c "$(chunk --only bench --cuda-graphs "${et[@]}" \
+  # LeRobot's per-block compile is left out (measured before, slower than eager for LingBot-VA), and the compiled
+  # PyTorch steps come after LeRobot eager; the bench writes its JSON after every candidate, so a run cut short
+  # keeps what it measured.
+  "$J" start "$WORK" chunk-bench --after chunk-check --limit 1500 -- bash -c "$(chunk --only bench --cuda-graphs "${et[@]}" \
     --pytorch --no-compile --episodes 2 --chunks 3 --record) && cp zoo/data/chunk_latency.json \"$WORK/chunk/recorded_chunk_latency.json\""
+  # Last: the per-method times on both runtimes were measured before; what this adds is the peak GPU memory
+  # over repeated calls, which shows whether the runtime frees what each call hands back.
+  want runtime && "$J" start "$WORK" chunk-methods --after chunk-bench --limit 600 -- bash -c "$(in_env python3 \
+    benchmarks/gpu_runtime_check.py "$WORK/chunk/$CHUNK_POLICY/run" --no-verify --steps 0 --latency video_step action_step \
+    --memory --runner "$RUNNER" --out "$WORK/chunk/methods")"
 fi
 "$J" table "$WORK"
