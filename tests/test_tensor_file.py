@@ -91,6 +91,18 @@ def test_write_is_atomic_and_leaves_no_temporary(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["t.zt"]
 
 
+def test_a_handover_file_holds_the_same_bytes_written_in_place(tmp_path, monkeypatch):
+    """The runner's hand-over files: the same format byte for byte, no temporary file and no fsync."""
+    t = sample(torch.bfloat16, (2, 1, 4, 3))
+    atomic = write_tensor(tmp_path / "atomic.zt", t).read_bytes()
+    monkeypatch.setattr("os.fsync", lambda fd: pytest.fail("a hand-over file was synced"))
+    monkeypatch.setattr("tempfile.mkstemp", lambda *a, **k: pytest.fail("a hand-over file went through a temporary"))
+    path = write_tensor(tmp_path / "handed.zt", t, handover=True)
+    assert path.read_bytes() == atomic
+    assert torch.equal(read_tensor(path), t)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["atomic.zt", "handed.zt"]
+
+
 def _valid(tmp_path) -> bytes:
     return write_tensor(tmp_path / "ok.zt", torch.arange(12, dtype=torch.int64).reshape(3, 4)).read_bytes()
 

@@ -57,8 +57,13 @@ def _raw(tensor: torch.Tensor, nbytes: int):
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
-def write_tensor(path: PathLike, tensor: torch.Tensor) -> Path:
-    """Write ``tensor`` (any device, any strides) to ``path``, atomically."""
+def write_tensor(path: PathLike, tensor: torch.Tensor, *, handover: bool = False) -> Path:
+    """Write ``tensor`` (any device, any strides) to ``path``, atomically (``zoo.core.atomic``).
+
+    ``handover=True`` writes it in place instead, unsynced: for a file another process is told about only after
+    this returns and deletes after reading (ExecuTorch's runner), where the telling orders the two, nothing must
+    survive a crash, and the temporary file, rename and fsync of an atomic write cost about a millisecond per
+    call of a DiT step's five inputs (benchmarks/bench_session.py)."""
     _check_host()
     if tensor.dtype not in DTYPE_CODES:
         raise TensorFileError(f"{path}: dtype {tensor.dtype} has no code in the zoo tensor format",
@@ -67,12 +72,20 @@ def write_tensor(path: PathLike, tensor: torch.Tensor) -> Path:
     if t.dim() > MAX_RANK:
         raise TensorFileError(f"{path}: rank {t.dim()} is above the format's {MAX_RANK}")
     nbytes = t.numel() * t.element_size()
-    with atomic_path(path) as tmp, open(tmp, "wb") as fh:
-        fh.write(HEADER.pack(MAGIC, VERSION, DTYPE_CODES[t.dtype], t.dim(), 0))
-        fh.write(struct.pack(f"<{t.dim()}q", *t.shape))
-        if nbytes:
-            fh.write(_raw(t, nbytes))
+    if handover:
+        with open(path, "wb") as fh:
+            _write_to(fh, t, nbytes)
+    else:
+        with atomic_path(path) as tmp, open(tmp, "wb") as fh:
+            _write_to(fh, t, nbytes)
     return Path(path)
+
+
+def _write_to(fh, t: torch.Tensor, nbytes: int) -> None:
+    fh.write(HEADER.pack(MAGIC, VERSION, DTYPE_CODES[t.dtype], t.dim(), 0))
+    fh.write(struct.pack(f"<{t.dim()}q", *t.shape))
+    if nbytes:
+        fh.write(_raw(t, nbytes))
 
 
 def read_tensor(path: PathLike) -> torch.Tensor:

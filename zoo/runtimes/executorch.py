@@ -256,7 +256,7 @@ class RuntimeSession:
                 raise RuntimeCallFailed(f"{value!r} was replaced by a later value of {value.name} (or dropped)",
                                         "pass the newest value the session returned for that name")
             return "$" + value.name
-        return str(write_tensor(path, value))
+        return str(write_tensor(path, value, handover=True))
 
     def call(self, method: str, inputs: Sequence[Input], keep: Optional[Mapping[int, str]] = None
              ) -> List[Union[torch.Tensor, DeviceValue]]:
@@ -270,14 +270,15 @@ class RuntimeSession:
         for name in (keep or {}).values():
             if not _NAME.fullmatch(name):
                 raise RuntimeCallFailed(f"{name!r} is not a name the runner takes ([A-Za-z0-9_.-]+)", "rename it")
-        tokens = [self._token(v, self.work_dir / "in" / f"{n}.{i}.zt") for i, v in enumerate(inputs)]
+        files = [self.work_dir / "in" / f"{n}.{i}.zt" for i in range(len(inputs))]
+        tokens = [self._token(v, path) for v, path in zip(inputs, files)]
         line = " ".join([method] + tokens)
         if keep:
             count = len(self.ready_outputs(method)) or (max(keep) + 1)
             line += " -> " + " ".join(f"keep:{keep[k]}" if k in keep else "host" for k in range(count))
         reply = self._send(line, f"running {method} (call {n})")
-        for p in self.work_dir.glob(f"in/{n}.*.zt"):
-            p.unlink()
+        for path in files:
+            path.unlink(missing_ok=True)  # values held by name wrote no file
         self.stats["calls"] += 1
         self.stats["rescued"] += len(reply.get("rescued", []))
         self.stats["host_copies"] += int(reply.get("host_copies", 0))
@@ -311,7 +312,7 @@ class RuntimeSession:
 
     def upload(self, name: str, tensor: torch.Tensor) -> DeviceValue:
         require_protocol(self.build, self.executable, "upload")
-        path = write_tensor(self.work_dir / "in" / f"upload.{name}.zt", tensor)
+        path = write_tensor(self.work_dir / "in" / f"upload.{name}.zt", tensor, handover=True)
         reply = self._send(f"upload {name} {path}", f"upload {name}")
         path.unlink()
         return self._held(name, reply["shape"], reply["dtype"], reply.get("device", False))
@@ -403,8 +404,9 @@ def _plan_lines(steps: Sequence[Tuple[str, Sequence[Union[torch.Tensor, Ref]]]],
                 last_use[(step, output)] = s
     lines = ["# zoo_runner plan: METHOD IN ... [-> OUT ...] (docs/runtime.md)"]
     for s, (method, inputs) in enumerate(steps):
-        words = [method] + [str(write_tensor(work / "in" / f"{s}.{i}.zt", item)) if isinstance(item, torch.Tensor)
-                            else f"$r{item[0]}_{item[1]}" for i, item in enumerate(inputs)]
+        words = [method] + [str(write_tensor(work / "in" / f"{s}.{i}.zt", item, handover=True))
+                            if isinstance(item, torch.Tensor) else f"$r{item[0]}_{item[1]}"
+                            for i, item in enumerate(inputs)]
         kept = sorted(k for (step, k) in last_use if step == s)
         if kept:
             words += ["->"] + [f"keep:r{s}_{k}" if k in kept else "host" for k in range(max(kept) + 1)]
