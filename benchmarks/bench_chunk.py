@@ -74,11 +74,13 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
     """One policy's record in ``results``: lowered unless its run is there, then lowered only, checked only, or
     timed (and checked) as ``--only`` and ``--policy-check`` say. A failure is recorded and the next policy runs."""
     real, tiny = POLICIES[family]
-    recipe = load_recipe(tiny if args.tiny else real)
+    recipe = load_recipe(tiny if args.tiny else real, args.set)
     work = out / family
     run = RunFolder(work / "run")
     record: Dict[str, Any] = {"policy": family, "recipe": recipe.name, "dtype": recipe.unit.dtype,
-                              "candidates": {}}
+                              "methods": list(recipe.unit.methods), "candidates": {}}
+    if args.set:
+        record["overrides"] = list(args.set)
     results["policies"].append(record)
     have = (run.program("rewritten", recipe.unit.methods[0]).is_file() if args.backend == "eager"
             else run.pte.is_file())
@@ -122,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, default=4, help="whole chunks per episode; 2..N are timed (default 4)")
     p.add_argument("--episodes", type=int, default=3, help="timed episodes after one untimed (default 3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="recipe overrides, as python -m zoo.export takes them (with one policy), e.g. "
+                        "'unit.methods=[prompt_kv,vae_encode_first,vae_encode,video_step,action_step]'")
     p.add_argument("--only", choices=("lower", "bench", "check"), default=None,
                    help="lower: build, export and lower only; bench: time an already-lowered run only; check: "
                         "the policy check of an already-lowered run only")

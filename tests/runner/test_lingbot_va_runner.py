@@ -23,6 +23,7 @@ from zoo.contract.run_folder import RunFolder  # noqa: E402
 from zoo.runner import PromptEmbedding, RunnerError, load  # noqa: E402
 from zoo.runner.check import ProcessedPolicy, compare_episode, run_episode  # noqa: E402
 from zoo.export.tiny_hub import fabricated_hub  # noqa: E402
+from support import shared_runs  # noqa: E402
 
 
 lingbot_va = pytest.importorskip("zoo.policies.lingbot_va.unit")
@@ -130,6 +131,27 @@ def test_prompt_without_negative_is_refused_under_cfg(run, prompt_file, observat
         runner.select_action(observations[0])
 
 
+PROMPT_KV = ["unit.methods=[prompt_kv,vae_encode_first,vae_encode,video_step,action_step]"]
+
+
+def test_a_run_that_makes_the_prompts_k_v_once_matches_lerobot(shared_cache, prompt_file, observations, expected):
+    """The same policy check on a run whose DiT steps take the prompt's cross-attention K/V from a ``prompt_kv``
+    method: the actions still match LeRobot's, which computes them in every call, and the runner makes them once
+    for the episode."""
+    exported = shared_runs.tiny_run(shared_cache, TINY, PROMPT_KV, label="prompt-kv")
+    exported.check_exported()
+    steps = RunFolder(exported.path).read_io_spec().methods["action_step"]
+    assert {"text_k", "text_v"} <= {s.name for s in steps.inputs} and "text_emb" not in {s.name for s in steps.inputs}
+    runner = runner_for(exported.path, prompt_file)
+    calls = []
+    call = runner.backend.call
+    runner.backend.call = lambda method, **inputs: calls.append(method) or call(method, **inputs)
+    result = compare_episode(runner, expected, observations, seed=0)
+    assert [(r.chunk, r.steps) for r in result.rows] == [(1, 12), (2, 16), (3, 16), (4, 1)], result.table()
+    assert result.ok, result.table()
+    assert calls.count("prompt_kv") == 1 and calls.count("action_step") > 20, sorted(set(calls))
+
+
 def test_executorch_backend_keeps_the_kv_pool_and_vae_caches_in_the_runtime(run, prompt_file, observations, expected,
                                                                            fake_zoo_runner, monkeypatch, tmp_path):
     """The same policy check over backend="executorch" (the fake zoo_runner runs the exported programs): the
@@ -150,7 +172,8 @@ def test_executorch_backend_keeps_the_kv_pool_and_vae_caches_in_the_runtime(run,
     shapes.update({spec.name: tuple(spec.shape) for spec in io_spec["vae_encode"].inputs[1:]})
     written = []
     original = et_runtime.write_tensor
-    monkeypatch.setattr(et_runtime, "write_tensor", lambda path, t: written.append(tuple(t.shape)) or original(path, t))
+    monkeypatch.setattr(et_runtime, "write_tensor",
+                        lambda path, t, **how: written.append(tuple(t.shape)) or original(path, t, **how))
     runner = load(lowered, backend="executorch", device="cpu", et_runner=fake_zoo_runner)
     try:
         runner.load_prompt(prompt_file)

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Iterator, Optional, Sequence
 
 from support.environment import REPO_ROOT
 
@@ -134,16 +134,20 @@ def readme_main_job(cache: Path) -> SharedRun:
     return SharedRun("llama-rope-tiny", folder / "runs" / "llama-rope-tiny", **record)
 
 
-def tiny_run(cache: Path, name: str) -> SharedRun:
-    """``python -m zoo.export NAME`` (a tiny recipe), run once for the session into the shared cache."""
-    if name == "llama-rope-tiny":  # the README's main job is this very command: its run serves both
+def tiny_run(cache: Path, name: str, overrides: Sequence[str] = (), label: str = "") -> SharedRun:
+    """``python -m zoo.export NAME [OVERRIDES]`` (a tiny recipe), run once for the session into the shared cache;
+    ``label`` names a run with overrides apart from the recipe's own."""
+    if name == "llama-rope-tiny" and not overrides:  # the README's main job is this very command: one run
         return readme_main_job(cache)
+    key = f"{name}.{label}" if label else name
+    if overrides and not label:
+        raise ValueError("a run with overrides needs a label of its own")
 
     def build(folder: Path) -> Dict:
-        proc = subprocess.run([sys.executable, "-m", "zoo.export", name, "--output-dir", str(folder)],
-                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800, env=hub_env(cache, name))
+        proc = subprocess.run([sys.executable, "-m", "zoo.export", name, *overrides, "--output-dir", str(folder)],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800, env=hub_env(cache, key))
         return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
 
-    record = built_once(cache, name, build)
-    return SharedRun(name, cache / name, **record)
+    record = built_once(cache, key, build)
+    return SharedRun(key, cache / key, **record)
 

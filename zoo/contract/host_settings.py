@@ -183,6 +183,9 @@ class LingBotVAHostSettings(_Settings):
     observation_features: Dict[str, ObservationFeature]
     cameras: Cameras
     vae: Optional[StreamingVae] = None  # None when the recipe exports no streaming VAE methods
+    # The method that computes the prompt's cross-attention K/V once per prompt, whose outputs the DiT steps take
+    # in place of text_emb; None when the steps take text_emb (zoo/policies/lingbot_va/prompt_kv.py).
+    prompt_method: Optional[str] = None
     format: int = HOST_SETTINGS_FORMAT
 
 

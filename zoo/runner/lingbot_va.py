@@ -31,6 +31,8 @@ class LingBotVARunner(PolicyRunner):
         if vae:
             caches = {name: name for name in vae.cache}
             state.update({vae.first_method: dict(caches), vae.step_method: dict(caches)})
+        if settings.prompt_method:  # the prompt's K/V, made once per prompt, read by every DiT call
+            state[settings.prompt_method] = {"text_k": "text_k", "text_v": "text_v"}
         return state
 
     @classmethod
@@ -84,6 +86,7 @@ class LingBotVARunner(PolicyRunner):
         mask = torch.zeros([self.action_dim], dtype=torch.bool)  # m:701-705
         mask[self.used] = True
         self.action_mask = mask
+        self.prompt_method = s.prompt_method
 
     # --- per-episode state (m:153-193) -----------------------------------------------------------------------
 
@@ -102,6 +105,7 @@ class LingBotVARunner(PolicyRunner):
         self._vae_cache: Optional[List[torch.Tensor]] = None
         self.allocator.reset()
         self._pools: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self._prompt_kv: Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = None  # (text_emb, its K/V)
 
     # --- LeRobot's select_action / predict_action_chunk ------------------------------------------------------
 
@@ -217,11 +221,22 @@ class LingBotVARunner(PolicyRunner):
         """One transformer call: slots chosen as LeRobot's cache chooses them, the pool in and out."""
         tokens = self.video_tokens if method == "video_step" else self.action_tokens
         slots, visible = self.allocator.begin(tokens)
-        inputs = {**inputs, "text_emb": self.backend.hold("text_emb", inputs["text_emb"])}  # fixed for the episode
+        text = self._text_inputs(inputs["text_emb"])  # fixed for the episode
+        inputs = {**{k: v for k, v in inputs.items() if k != "text_emb"}, **text}
         out = self.call(method, slots=slots, visible=visible, k_pool=self._pools[0], v_pool=self._pools[1], **inputs)
         self.allocator.finish(slots, update_cache)
         self._pools = (out["k_pool_next"], out["v_pool_next"])
         return out["noise_pred" if method == "video_step" else "action_noise_pred"]
+
+    def _text_inputs(self, text_emb: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """What a DiT call takes of the prompt, fixed for the episode: the embedding itself, held by the backend, or,
+        when the run computes the prompt's K/V in a method of its own, those, made once per prompt."""
+        if not self.prompt_method:
+            return {"text_emb": self.backend.hold("text_emb", text_emb)}
+        if self._prompt_kv is None or not torch.equal(self._prompt_kv[0], text_emb):
+            out = self.call(self.prompt_method, text_emb=text_emb)
+            self._prompt_kv = (text_emb.clone(), {"text_k": out["text_k"], "text_v": out["text_v"]})
+        return self._prompt_kv[1]
 
     # --- m:630-699 -------------------------------------------------------------------------------------------
 

@@ -10,6 +10,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from zoo.policies.lingbot_va.prompt_kv import prompt_free
+
 
 KV_POOL_LAYOUTS = ("io", "buffer")
 # A cache name no LeRobot attention holds, so WanAttention.forward skips its own cache path entirely.
@@ -63,11 +65,14 @@ class PoolStep(torch.nn.Module):
     def forward(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, grid_id: torch.Tensor,
                 text_emb: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
                 k_pool: Optional[torch.Tensor] = None, v_pool: Optional[torch.Tensor] = None):
+        inputs = {"noisy_latents": noisy_latents, "timesteps": timesteps, "grid_id": grid_id, "text_emb": text_emb}
+        return self._step(inputs, slots, visible, k_pool, v_pool)
+
+    def _step(self, inputs, slots, visible, k_pool, v_pool):
         if self.kv_pool == "buffer":
             call = _StepCall(slots, visible, self.k_pool, self.v_pool, in_place=True)
         else:
             call = _StepCall(slots, visible, k_pool, v_pool, in_place=False)
-        inputs = {"noisy_latents": noisy_latents, "timesteps": timesteps, "grid_id": grid_id, "text_emb": text_emb}
         with self._pool_attention(call):
             pred = self.transformer(inputs, update_cache=0, cache_name=_NO_EAGER_CACHE,
                                     action_mode=self.action_mode)
@@ -87,6 +92,30 @@ class PoolStep(torch.nn.Module):
         finally:
             for attn, op in zip(attentions, saved):
                 attn.attn_op = op
+
+
+class PromptFreePoolStep(PoolStep):
+    """``PoolStep`` with the prompt's cross-attention K/V as inputs (``zoo.policies.lingbot_va.prompt_kv``) in
+    place of ``text_emb``: ``forward(noisy_latents, timesteps, grid_id, text_k, text_v, slots, visible[, k_pool,
+    v_pool])``, the rest as ``PoolStep``. Its transformer is a view of LeRobot's without the prompt's weights."""
+
+    def __init__(self, transformer: torch.nn.Module, action_mode: bool, kv_pool: str,
+                 shared_pools: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
+        view, prompt = prompt_free(transformer)
+        super().__init__(view, action_mode, kv_pool, shared_pools)
+        self._prompt = prompt
+
+    def forward(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, grid_id: torch.Tensor,
+                text_k: torch.Tensor, text_v: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
+                k_pool: Optional[torch.Tensor] = None, v_pool: Optional[torch.Tensor] = None):
+        # The text projection is an identity in the view and the cross-attentions ignore what it passes on: any
+        # tensor will do as LeRobot's text_emb.
+        inputs = {"noisy_latents": noisy_latents, "timesteps": timesteps, "grid_id": grid_id, "text_emb": text_k}
+        self._prompt.text_k, self._prompt.text_v = text_k, text_v
+        try:
+            return self._step(inputs, slots, visible, k_pool, v_pool)
+        finally:
+            self._prompt.text_k = self._prompt.text_v = None
 
 
 # LeRobot's ``WanAttention`` keeps its KV cache in Python dicts and picks slots with ``nonzero`` and

@@ -23,7 +23,10 @@ DIT_METHODS = ("video_step", "action_step")
 # The streaming Wan2.2 VAE encode of observed frames (zoo/policies/lingbot_va/vae.py), so the deploy side runs
 # no PyTorch model code: both or neither.
 VAE_METHODS = (vae_stream.FIRST_METHOD, vae_stream.STEP_METHOD)
-METHODS = DIT_METHODS + VAE_METHODS
+# The prompt's cross-attention K/V, once per prompt (zoo/policies/lingbot_va/prompt_kv.py): listed, the DiT steps
+# take them in place of text_emb.
+PROMPT_METHOD = "prompt_kv"
+METHODS = DIT_METHODS + VAE_METHODS + (PROMPT_METHOD,)
 UNIT_DTYPES = ("float32", "bfloat16")  # LingBot-VA's own dtype table has no float64
 INPUT_KEYS = ("batch", "text_len", "pool_tokens")
 
@@ -37,6 +40,9 @@ def validate_recipe(recipe: Recipe) -> Dict[str, Any]:
     if len(set(methods) & set(VAE_METHODS)) == 1:
         raise RecipeError(f"recipe {recipe.name!r}: unit.methods lists only one of {list(VAE_METHODS)}",
                           "the streaming VAE encode needs both: the episode's first call and the later ones")
+    if PROMPT_METHOD in methods and not set(methods) & set(DIT_METHODS):
+        raise RecipeError(f"recipe {recipe.name!r}: unit.methods lists {PROMPT_METHOD} without a DiT step",
+                          f"list {PROMPT_METHOD} with video_step and action_step, or leave it out")
     if recipe.unit.dtype not in UNIT_DTYPES:
         raise RecipeError(f"recipe {recipe.name!r}: unit.dtype={recipe.unit.dtype!r} is not supported by LingBot-VA",
                           f"use one of: {', '.join(UNIT_DTYPES)}")

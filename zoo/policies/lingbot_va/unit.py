@@ -23,8 +23,9 @@ from zoo.policies.base import ExportUnit, InputSpec, MethodSpec, feature_record
 from zoo.policies.lingbot_va import vae as vae_stream
 from zoo.policies.lingbot_va.checkpoint import fabricate_checkpoint, fabricated_config, save_frozen_repo
 from zoo.policies.lingbot_va.loading import load_policy
-from zoo.policies.lingbot_va.pool import PoolStep, zero_pools
-from zoo.policies.lingbot_va.recipe import DIT_METHODS, FAMILY, VAE_METHODS, validate_recipe
+from zoo.policies.lingbot_va.pool import PoolStep, PromptFreePoolStep, zero_pools
+from zoo.policies.lingbot_va.prompt_kv import PromptKv
+from zoo.policies.lingbot_va.recipe import DIT_METHODS, FAMILY, PROMPT_METHOD, VAE_METHODS, validate_recipe
 from zoo.policies.lingbot_va.reference import LeRobotSteps, embed_prompt, float32_reference_noise, lerobot_policy
 from zoo.policies.tiny_wan import Z_DIM
 
@@ -85,8 +86,15 @@ def _check_inputs(recipe: Recipe, layout: _Layout, checkpoint_dir: Path) -> None
                         "fix the recipe's inputs, or point it at the checkpoint it was written for")
 
 
+def _prompt_kv_specs(policy: LingBotVAPolicy, layout: _Layout, dtype: str) -> List[InputSpec]:
+    """``text_k`` and ``text_v``: every block's cross-attention K (normed) and V of the prompt, heads split."""
+    cfg = policy.config
+    shape = [cfg.num_layers, layout.batch, layout.text_len, cfg.num_attention_heads, cfg.attention_head_dim]
+    return [InputSpec("text_k", dtype, shape), InputSpec("text_v", dtype, shape)]
+
+
 def _method_inputs(method: str, policy: LingBotVAPolicy, layout: _Layout, dtype: str,
-                   kv_pool: str) -> List[InputSpec]:
+                   kv_pool: str, prompt_kv: bool = False) -> List[InputSpec]:
     cfg = policy.config
     b = layout.batch
     if method == "video_step":
@@ -105,13 +113,17 @@ def _method_inputs(method: str, policy: LingBotVAPolicy, layout: _Layout, dtype:
         latents,
         InputSpec("timesteps", "float32", [b, layout.frames], "uniform:0:1000"),
         grid,
-        InputSpec("text_emb", dtype, [b, layout.text_len, cfg.text_dim]),
+        *(_prompt_kv_specs(policy, layout, dtype) if prompt_kv else [_text_emb_spec(policy, layout, dtype)]),
         InputSpec("slots", "int64", [tokens], f"randperm:{layout.pool_tokens}"),
         InputSpec("visible", "bool", [layout.pool_tokens], "bernoulli:0.5"),
     ]
     if kv_pool == "io":
         specs += [InputSpec("k_pool", dtype, list(layout.pool)), InputSpec("v_pool", dtype, list(layout.pool))]
     return specs
+
+
+def _text_emb_spec(policy: LingBotVAPolicy, layout: _Layout, dtype: str) -> InputSpec:
+    return InputSpec("text_emb", dtype, [layout.batch, layout.text_len, policy.config.text_dim])
 
 
 def _host_settings(policy: LingBotVAPolicy, layout: _Layout, recipe: Recipe,
@@ -152,6 +164,7 @@ def _host_settings(policy: LingBotVAPolicy, layout: _Layout, recipe: Recipe,
         cameras=Cameras(keys=list(cfg.obs_cam_keys), layout=cfg.camera_layout, height=cfg.height, width=cfg.width,
                         image_hflip=cfg.image_hflip),
         vae=vae,
+        prompt_method=PROMPT_METHOD if PROMPT_METHOD in recipe.unit.methods else None,
     )
 
 
@@ -245,17 +258,24 @@ def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
     kv_pool = recipe.lowering.kv_pool  # "io": the pool passed in and returned; "buffer": a mutable buffer
     shared = zero_pools(layout.pool, getattr(torch, dtype)) if kv_pool == "buffer" else None
     vae = _vae_methods(policy, dtype) if set(VAE_METHODS) & set(recipe.unit.methods) else {}
+    prompt_kv = PROMPT_METHOD in recipe.unit.methods
+    step = PromptFreePoolStep if prompt_kv else PoolStep
     methods: Dict[str, MethodSpec] = {}
     for name in recipe.unit.methods:
         if name in vae:
             methods[name] = vae[name]
             continue
-        module = PoolStep(policy.transformer, action_mode=(name == "action_step"), kv_pool=kv_pool,
-                          shared_pools=shared).eval()
+        if name == PROMPT_METHOD:
+            methods[name] = MethodSpec(name=name, module=PromptKv(policy.transformer).eval(),
+                                       inputs=[_text_emb_spec(policy, layout, dtype)],
+                                       output_names=["text_k", "text_v"])
+            continue
+        module = step(policy.transformer, action_mode=(name == "action_step"), kv_pool=kv_pool,
+                      shared_pools=shared).eval()
         pred = "noise_pred" if name == "video_step" else "action_noise_pred"
         outputs = [pred, "k_pool_next", "v_pool_next"] if kv_pool == "io" else [pred]
         methods[name] = MethodSpec(name=name, module=module,
-                                   inputs=_method_inputs(name, policy, layout, dtype, kv_pool),
+                                   inputs=_method_inputs(name, policy, layout, dtype, kv_pool, prompt_kv),
                                    output_names=outputs)
     settings = _host_settings(policy, layout, recipe, _vae_settings(policy, vae) if vae else None)
     return ExportUnit(family=FAMILY, methods=methods, host_settings=settings,
