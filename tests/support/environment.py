@@ -1,8 +1,8 @@
 """The environment every test session and every process it starts runs in, set up on import (tests/conftest.py
 imports this before anything else, so before huggingface_hub reads its variables at import).
 
-No network and never the user's caches: HF_HUB_OFFLINE=1, and HF_HUB_CACHE and zoo's tiny-checkpoint cache
-point into a throw-away sandbox folder (subprocesses inherit them). The toy family (tests/families/toy) is put on
+No network and never the user's caches: HF_HUB_OFFLINE=1, and HF_HUB_CACHE, zoo's tiny-checkpoint cache and
+the lowering workers' memory ledger point into a throw-away sandbox folder (subprocesses inherit them). The toy family (tests/families/toy) is put on
 zoo.policies' search path, so that ``family: toy`` recipes load as ``zoo.policies.toy`` like a shipped family.
 """
 
@@ -32,6 +32,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_CACHE"] = str(SANDBOX / "hf-cache")
 os.environ["ZOO_TINY_HUB_CACHE"] = str(SANDBOX / "tiny-hub")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# The lowering workers' memory claims (zoo.export.lower.admission): the session's own, so that a test lowering
+# neither waits for a real lowering on this machine nor for another session's tests.
+os.environ["ZOO_LOWERING_LEDGER_DIR"] = str(SANDBOX / "lowering-ledger")
 
 import zoo.policies  # noqa: E402  (after the variables: it may import huggingface_hub)
 

@@ -35,9 +35,15 @@ from zoo.export.lower.workers import MethodJob, MethodPart, choose_workers, lowe
 
 # A worker holds its program, then Inductor's host copies of the weights blob and ExecuTorch's bytes of it:
 # about three times the weights at its peak (read in codecache.py and aoti_backend.py, not measured), plus
-# Inductor and Python themselves. Used only to bound the default number of workers by the available memory.
+# Inductor and Python themselves. Used to bound the default number of workers by the available memory, and
+# claimed machine-wide by each worker before it starts (zoo.export.lower.admission).
 WORKER_MEMORY_FACTOR = 3
 WORKER_MEMORY_BASE = 2 << 30
+
+
+def worker_memory_bytes(carried: int) -> int:
+    """The memory a method's lowering is expected to take at its peak, for the weights its .so carries."""
+    return WORKER_MEMORY_FACTOR * carried + WORKER_MEMORY_BASE
 
 
 @dataclass
@@ -176,44 +182,47 @@ def lower_methods(programs: Mapping[str, Union[ExportedProgram, Path]], in_memor
     # and the memory bound counts them.
     start_order = sorted(methods, key=lambda m: -tables.carried[m])
     count, why = choose_workers(len(methods), requested=workers, configured=recipe.lowering.workers,
-                                per_worker_bytes=[WORKER_MEMORY_FACTOR * tables.carried[m] + WORKER_MEMORY_BASE
-                                                  for m in start_order])
+                                per_worker_bytes=[worker_memory_bytes(tables.carried[m]) for m in start_order])
     method_options = {m: {**options, "constant_plan": tables.method_plan[m].as_dict()
                           if m in tables.method_plan else None} for m in methods}
+    memory = {m: worker_memory_bytes(tables.carried[m]) for m in methods}
     say(f"lowering {', '.join(methods)}: {count} at once ({why}); constant plan: {tables.decision['why']}")
     # Another GPU's compile settings go to worker processes only: a fresh process has no cache of this GPU's
     # properties that Inductor or Triton filled before (zoo.export.lower.target).
     in_process = count == 1 and (target_plan is None or target_plan.mode == NATIVE)
     if in_process:
         parts, reused = lower_here(programs, in_memory, method_options, method_lowering, work, stage_seconds,
-                                   store=store, consume=consume, say=say)
+                                   store=store, consume=consume, say=say, memory=memory)
     else:
         in_memory.clear()  # the parent's copies go before the workers load theirs
         parts, reused = lower_side_by_side(programs, start_order, method_options, method_lowering, work,
-                                           stage_seconds, store=store, count=count, say=say)
+                                           stage_seconds, store=store, count=count, say=say, memory=memory)
     return parts, {"count": count, "why": why, "in_process": in_process, "reused": reused}
 
 
 def lower_here(programs: Mapping[str, Union[ExportedProgram, Path]], in_memory: Dict[str, ExportedProgram],
                method_options: Mapping[str, Dict[str, Any]], method_lowering: MethodLowering, work: Path,
-               stage_seconds: Dict[str, float], *, store: PartStore, consume: bool, say: Callable[[str], None]
-               ) -> Tuple[Dict[str, MethodPart], List[str]]:
+               stage_seconds: Dict[str, float], *, store: PartStore, consume: bool, say: Callable[[str], None],
+               memory: Mapping[str, int]) -> Tuple[Dict[str, MethodPart], List[str]]:
     """The methods lowered one after another in this process. Programs read from files are ours to consume;
     the caller's are copied unless handed over (``to_edge_transform_and_lower`` changes the program it lowers).
-    ``in_memory`` is emptied: each program is held by its job alone."""
+    ``in_memory`` is emptied: each program is held by its job alone. ``memory``: each method's estimate, claimed
+    machine-wide while it lowers."""
     mark = time.perf_counter()
     # Only a program read from a file has a stamp: hashing one given in memory would mean saving it first.
     kept = store.stamped({m: Path(p) for m, p in programs.items() if not isinstance(p, ExportedProgram)},
                          method_options)
     reused = kept.reuse(list(programs), work / "methods", say)
     jobs = [MethodJob(m, in_memory[m] if consume or not isinstance(programs[m], ExportedProgram)
-                      else copy.deepcopy(in_memory[m]), method_options[m]) for m in programs if m not in reused]
+                      else copy.deepcopy(in_memory[m]), method_options[m], memory_bytes=memory[m])
+            for m in programs if m not in reused]
     in_memory.clear()
     lowered: Dict[str, MethodPart] = {}
     if jobs:
         with Progress("lower", len(jobs), unit="method") as bar:
             lowered = lower_in_process(jobs, method_lowering.function, work / "methods",
-                                       pythonpath=method_lowering.pythonpath, say=say, bar=bar, on_part=kept.keep)
+                                       pythonpath=method_lowering.pythonpath, say=say, bar=bar, on_part=kept.keep,
+                                       run=work.parent)
     del jobs
     stage_seconds["methods"] = round(time.perf_counter() - mark, 3)
     return {m: reused[m] if m in reused else lowered[m] for m in programs}, list(reused)
@@ -222,22 +231,24 @@ def lower_here(programs: Mapping[str, Union[ExportedProgram, Path]], in_memory: 
 def lower_side_by_side(programs: Mapping[str, Union[ExportedProgram, Path]], start_order: List[str],
                        method_options: Mapping[str, Dict[str, Any]], method_lowering: MethodLowering, work: Path,
                        stage_seconds: Dict[str, float], *, store: PartStore, count: int,
-                       say: Callable[[str], None]) -> Tuple[Dict[str, MethodPart], List[str]]:
+                       say: Callable[[str], None], memory: Mapping[str, int]
+                       ) -> Tuple[Dict[str, MethodPart], List[str]]:
     """The methods lowered in worker processes, ``count`` at once, started in ``start_order``; programs given in
-    memory are saved for the workers first and deleted after."""
+    memory are saved for the workers first and deleted after. ``memory``: each method's estimate, claimed
+    machine-wide before its worker starts, so another lowering on the machine is waited for."""
     files, saved = program_files(programs, work / "programs", stage_seconds)
     mark = time.perf_counter()
     kept = store.stamped(files, method_options)
     reused = kept.reuse(start_order, work / "methods", say)
     stage_seconds["stamp"] = round(time.perf_counter() - mark, 3)
     mark = time.perf_counter()  # "methods" is the workers' time alone: the save and the stamps have their own
-    jobs = [MethodJob(m, files[m], method_options[m]) for m in start_order if m not in reused]
+    jobs = [MethodJob(m, files[m], method_options[m], memory_bytes=memory[m]) for m in start_order if m not in reused]
     env = {"PYTHONPATH": os.pathsep.join(method_lowering.pythonpath)} if method_lowering.pythonpath else None
     started: Dict[str, MethodPart] = {}
     if jobs:
         with Progress("lower", len(jobs), unit="method") as bar:
             started = lower_in_workers(jobs, method_lowering.function, work / "methods", max_workers=count,
-                                       env=env, say=say, bar=bar, on_part=kept.keep)
+                                       env=env, say=say, bar=bar, on_part=kept.keep, run=work.parent)
     # The .pte lists the methods in the unit's order, reused or not.
     parts = {m: reused[m] if m in reused else started[m] for m in programs}
     for path in saved:  # disk: at real size each is ~10 GB, and the workers are done with them

@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from zoo.core import atomic
 from zoo.core import errors
 from zoo.contract.artifact import PTE_NAME, ensure_flatc
+from zoo.export.lower.admission import Gate, available_memory_bytes
 from zoo.export.lower.assemble import AssembledProgram, ProgramPart, assemble_program
 from zoo.core.errors import LoweringError
 from zoo.core.progress import Progress
@@ -55,6 +56,10 @@ class MethodJob:
     method: str
     program: Any  # a torch.export .pt2 file holding this method's program (in this process also the program)
     options: Dict[str, Any] = field(default_factory=dict)  # JSON-able, handed to the lowering function
+    # The bytes its lowering is expected to take at its peak: claimed machine-wide before it starts, so that
+    # lowerings side by side wait for each other rather than exhaust memory (zoo.export.lower.admission).
+    # None: started unclaimed.
+    memory_bytes: Optional[int] = None
 
 
 @dataclass
@@ -94,7 +99,9 @@ def choose_workers(jobs: int, *, requested: Optional[int] = None, configured: Op
     (this machine's operator), else ``configured`` (the recipe's ``lowering.workers``), else one per method,
     at most one per four cores (each worker's Inductor starts its own pool of compile processes) and at most
     as many as the available memory holds: ``per_worker_bytes`` each, or, given one estimate per job in the
-    order they start (the largest first), as many of the first as fit together. Never more than ``jobs``."""
+    order they start (the largest first), as many of the first as fit together. Never more than ``jobs``.
+    The available memory is MemAvailable now, or ``ZOO_LOWERING_MEMORY_BYTES``; other lowerings running on the
+    machine are not counted here: each worker waits for them when it starts (``zoo.export.lower.admission``)."""
     jobs = max(jobs, 1)
     env = os.environ.get(ENV_MAX_WORKERS)
     if requested is not None:
@@ -142,18 +149,6 @@ def default_max_workers(jobs: int) -> int:
     return choose_workers(jobs)[0]
 
 
-def available_memory_bytes() -> Optional[int]:
-    """MemAvailable of /proc/meminfo (Linux); None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 # --- the parent --------------------------------------------------------------------------------------------
 
 
@@ -170,9 +165,12 @@ def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
                      max_workers: Optional[int] = None, env: Optional[Mapping[str, str]] = None,
                      say: Callable[[str], None] = default_say, heartbeat_s: float = 60.0,
                      poll_s: float = 0.2, bar: Optional[Progress] = None,
-                     on_part: Optional[Callable[[MethodPart], None]] = None) -> Dict[str, MethodPart]:
+                     on_part: Optional[Callable[[MethodPart], None]] = None,
+                     run: Optional[Path] = None) -> Dict[str, MethodPart]:
     """Lower every job's method in its own worker process, at most ``max_workers`` at a time.
 
+    A job with ``memory_bytes`` starts only once the machine's other lowering workers leave it room
+    (``zoo.export.lower.admission``; its claim names ``run``, default ``work_dir``), saying so while it waits.
     ``bar`` (a ``zoo.core.progress.Progress`` over the methods) names the methods running and counts each one done.
     Returns the parts in job order. Raises the failed method's error (after stopping the other workers) if any
     worker fails; nothing is assembled then.
@@ -185,31 +183,34 @@ def lower_in_workers(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
     worker_env.setdefault(ENV_COMPILE_THREADS, str(threads_per_worker(os.cpu_count() or 1, min(workers, len(jobs)))))
     work_dir = Path(work_dir)
 
+    gate = Gate(str(run if run is not None else work_dir), say, every_s=heartbeat_s)
     pending = list(jobs)
     running: Dict[str, _Running] = {}
     parts: Dict[str, MethodPart] = {}
     last_beat = time.monotonic()
     try:
         while pending or running:
-            while pending and len(running) < workers:
+            while pending and len(running) < workers and gate.enter(pending[0].method, pending[0].memory_bytes):
                 job = pending.pop(0)
                 running[job.method] = _start(job, function, work_dir, worker_env)
+                gate.started(job.method, running[job.method].process.pid)
                 say(f"lowering {job.method}: worker {running[job.method].process.pid} started "
                     f"(log {running[job.method].log})")
                 if bar is not None:
                     bar.begin(", ".join(running))
-            _collect_finished(running, parts, say=say, bar=bar, on_part=on_part)
+            _collect_finished(running, parts, say=say, bar=bar, on_part=on_part, gate=gate)
             if running and time.monotonic() - last_beat >= heartbeat_s:
                 now = time.monotonic()
                 say("lowering: " + ", ".join(f"{m} running {now - r.started:.0f} s" for m, r in running.items())
                     + (f"; {len(pending)} waiting" if pending else ""))
                 last_beat = now
-            if running:
+            if running or pending:  # pending with nothing running: waiting for another lowering's memory
                 time.sleep(poll_s)
     finally:
-        for run in running.values():  # a failure, an interrupt: the workers still running are stopped
-            _stop(run.process)
-            say(f"lowering {run.job.method}: stopped")
+        for started in running.values():  # a failure, an interrupt: the workers still running are stopped
+            _stop(started.process)
+            say(f"lowering {started.job.method}: stopped")
+        gate.leave_all()  # after the stop: their memory is free only once they have ended
     return {job.method: parts[job.method] for job in jobs}
 
 
@@ -233,13 +234,15 @@ def _checked_worker_env(jobs: Sequence[MethodJob], function: str,
 
 def _collect_finished(running: Dict[str, "_Running"], parts: Dict[str, MethodPart], *,
                       say: Callable[[str], None], bar: Optional[Progress],
-                      on_part: Optional[Callable[[MethodPart], None]] = None) -> None:
+                      on_part: Optional[Callable[[MethodPart], None]] = None, gate: Optional[Gate] = None) -> None:
     """Move each worker that has exited from ``running`` to ``parts``; a failed one raises its error."""
     for method, run in list(running.items()):
         code = run.process.poll()
         if code is None:
             continue
         del running[method]
+        if gate is not None:
+            gate.leave(method)
         seconds = time.monotonic() - run.started
         if code != 0:
             say(f"lowering {method}: FAILED after {seconds:.1f} s (exit {code})")
@@ -265,12 +268,14 @@ def lower_and_assemble(jobs: Sequence[MethodJob], function: str, work_dir: Path,
 def lower_in_process(jobs: Sequence[MethodJob], function: str, work_dir: Path, *,
                      pythonpath: Sequence[str] = (), say: Callable[[str], None] = default_say,
                      bar: Optional[Progress] = None,
-                     on_part: Optional[Callable[[MethodPart], None]] = None) -> Dict[str, MethodPart]:
+                     on_part: Optional[Callable[[MethodPart], None]] = None,
+                     run: Optional[Path] = None) -> Dict[str, MethodPart]:
     """The same lowering in this process, one method after another, leaving the same parts as the workers.
 
     For debugging (a breakpoint in the lowering, one traceback) and for one method. A job's ``program`` may be
     the program itself (it is handed to the function as it is: the caller copies it first if it must stay
-    unchanged) or a ``.pt2`` file, loaded when its turn comes. An error propagates as it is raised.
+    unchanged) or a ``.pt2`` file, loaded when its turn comes. An error propagates as it is raised. A job with
+    ``memory_bytes`` claims it for this process as a worker does, and waits its turn the same way.
     """
     if not jobs:
         raise LoweringError("no methods to lower", "the unit names its methods in unit.methods")
@@ -281,17 +286,24 @@ def lower_in_process(jobs: Sequence[MethodJob], function: str, work_dir: Path, *
         lower = resolve_function(function)
     finally:
         sys.path[:] = saved
+    gate = Gate(str(run if run is not None else work_dir), say)
     parts: Dict[str, MethodPart] = {}
     for job in jobs:
         folder = _fresh_folder(Path(work_dir), job.method)
+        gate.wait(job.method, job.memory_bytes)
         start = time.monotonic()
         say(f"lowering {job.method} in this process")
         if bar is not None:
             bar.begin(job.method)
-        program = read_program(Path(job.program)) if isinstance(job.program, (str, Path)) else job.program
-        lowered = lower(job.method, program, dict(job.options))
-        del program
-        _write_part(folder, job.method, lowered, job_function=function, seconds=time.monotonic() - start)
+        try:
+            gate.started(job.method, os.getpid())
+            program = read_program(Path(job.program)) if isinstance(job.program, (str, Path)) else job.program
+            lowered = lower(job.method, program, dict(job.options))
+            del program
+            _write_part(folder, job.method, lowered, job_function=function, seconds=time.monotonic() - start)
+            del lowered
+        finally:
+            gate.leave(job.method)
         parts[job.method] = _collect(_Running(job=job, folder=folder, log=None, process=None, started=start),
                                      time.monotonic() - start)
         if on_part is not None:
