@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from zoo.runtimes import executorch as et_runtime
+from zoo.contract.artifact import PTE_NAME
 from zoo.contract.tensor_file import write_tensor
 
 
@@ -47,8 +48,8 @@ def build_program(folder: Path) -> Path:
 
     ensure_flatc()  # writing a .pte needs flatc
     program = to_edge({"step": torch.export.export(Step().eval(), step_inputs())}).to_executorch()
-    (folder / "model.pte").write_bytes(program.buffer)
-    return folder / "model.pte"
+    (folder / PTE_NAME).write_bytes(program.buffer)
+    return folder / PTE_NAME
 
 
 def time_calls(pte: Path, runner: str, calls: int, work: Path) -> Dict[str, List[float]]:

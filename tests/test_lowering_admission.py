@@ -150,10 +150,11 @@ def test_in_process_lowering_waits_for_another_lowering_and_a_killed_one_blocks_
     monkeypatch.setenv(admission.ENV_MEMORY, str(12 * G))
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     _write_claim(tmp_path / "ledger", owner=other.pid, owner_start=admission.process_start(other.pid), need=8 * G)
+    job = _saved_job(tmp_path / "programs", "b")  # before the clock starts: saving can take seconds on a busy CPU
     killed_at = []
 
     def kill():
-        time.sleep(1.5)
+        time.sleep(3.0)
         killed_at.append(time.time())
         other.send_signal(signal.SIGKILL)
         other.wait()
@@ -162,7 +163,7 @@ def test_in_process_lowering_waits_for_another_lowering_and_a_killed_one_blocks_
     killer.start()
     lines = []
     try:
-        parts = workers.lower_in_process([_saved_job(tmp_path / "programs", "b")], FUNCTION, tmp_path / "here",
+        parts = workers.lower_in_process([job], FUNCTION, tmp_path / "here",
                                          pythonpath=[str(FIXTURES)], say=lines.append, run=tmp_path / "run")
     finally:
         killer.join()
@@ -281,5 +282,5 @@ def test_lower_to_pte_claims_each_method_s_estimate_for_its_run(monkeypatch, tmp
         lowering.lower_to_pte(programs(), tmp_path / "run", recipe, workers=count, method_lowering=PROBE_LOWERING,
                               run_preflight=False, say=lambda line: None)
     carried = lowering.plan_tables(programs()).carried
-    assert seen["jobs"] == {m: 3 * carried[m] + (2 << 30) for m in ("a", "b")} and min(carried.values()) > 0
+    assert seen["jobs"] == {m: 4 * carried[m] + (2 << 30) for m in ("a", "b")} and min(carried.values()) > 0
     assert seen["run"] == tmp_path / "run"

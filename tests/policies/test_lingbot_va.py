@@ -1,7 +1,7 @@
 """LingBot-VA's export unit against LeRobot's own stateful eager code, on a fabricated tiny checkpoint.
 
-The checkpoint is fabricated once per module (seeded, LeRobot's real repo layout), put into a private Hub
-cache and pulled offline, exactly as the pipeline does for tiny recipes.
+The checkpoint is fabricated once per module (tests/support/lingbot_va_tiny.py: seeded, LeRobot's real repo
+layout), put into a private Hub cache and pulled offline, exactly as the pipeline does for tiny recipes.
 """
 
 from __future__ import annotations
@@ -16,40 +16,26 @@ import torch
 pytest.importorskip("lerobot")
 pytestmark = pytest.mark.policies
 
-from huggingface_hub import snapshot_download  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from lerobot.policies.lingbot_va.utils import get_mesh_id  # noqa: E402
 from zoo.contract.host_settings import Guidance  # noqa: E402
 from zoo.core.errors import PullError, RecipeError, ZooError  # noqa: E402
-from zoo.export.hub_cache import folder_commit, hub_environment, put_in_cache  # noqa: E402
+from zoo.export.hub_cache import folder_commit, hub_environment  # noqa: E402
 from zoo.core.numerics import compare  # noqa: E402
-from zoo.policies import load_family  # noqa: E402
 from zoo.policies.lingbot_va.checkpoint import fabricated_config  # noqa: E402
 from zoo.policies.lingbot_va.pool import PoolStep  # noqa: E402
 from zoo.policies.lingbot_va.recipe import validate_recipe  # noqa: E402
 from zoo.runner.slots import HostSlotAllocator  # noqa: E402
 from zoo.contract.recipes import load_recipe  # noqa: E402
 
-lingbot_va = load_family("lingbot_va")
-RECIPE = "lingbot-va-tiny"
+from support.lingbot_va_tiny import (RECIPE, SEQUENCE, fabricated_hub as _fabricated_hub, lingbot_va,  # noqa: E402
+                                     step_inputs as _step_inputs)
+
 LAYOUTS = ("io", "buffer")
 
 
 # The tiny recipe has one head (a small bundle); the head axis of the pool and attention is checked at two.
 TWO_HEADS = ["unit.options.policy_config.num_attention_heads=2"]
-
-
-def _fabricated_hub(root: Path, overrides=()):
-    """Fabricate -> put_in_cache -> offline snapshot_download: returns (cache dir, checkpoint dir, repos)."""
-    recipe = load_recipe(RECIPE, list(overrides))
-    repos = lingbot_va.fabricate_checkpoint(recipe, root / "fabricated")
-    cache = root / "cache"
-    for repo_id, folder in repos.items():
-        put_in_cache(repo_id, folder, cache)
-    with hub_environment(cache, offline=True):
-        checkpoint = Path(snapshot_download(recipe.source.repo_id))
-    return cache, checkpoint, repos
 
 
 @pytest.fixture(scope="module")
@@ -283,30 +269,6 @@ def test_host_slot_allocator_hand_worked_case():
         alloc.finish(slots, 3)
 
 
-def _step_inputs(method, frame_st_id, generator):
-    """One stream's inputs as LingBotVAPolicy._prepare_latent_input + _repeat_input_for_cfg build them."""
-    frames = 4
-    if method == "video_step":
-        latents = torch.randn(2, 48, frames, 4, 8, generator=generator)
-        grid = get_mesh_id(frames, 2, 4, 0, 1, frame_st_id)
-    else:
-        latents = torch.randn(2, 30, frames, 4, 1, generator=generator)
-        grid = get_mesh_id(frames, 4, 1, 1, 1, frame_st_id, action=True)
-    t = float(torch.rand((), generator=generator)) * 1000.0
-    timesteps = torch.full((frames,), t)
-    return latents, timesteps[None].repeat(2, 1), grid[None].repeat(2, 1, 1)
-
-
-# (method | "clear", update_cache, frame_st_id): _infer's video(0..0,1) -> action(0..0,1) per chunk, with
-# _compute_kv_cache's clear_pred_cache + update_cache=2 feedback between chunks. By the third chunk the
-# 96-slot pool overflows, so slots are evicted (oldest first), also by steps that do not commit.
-SEQUENCE = [
-    ("video_step", 0, 0), ("video_step", 0, 0), ("video_step", 1, 0), ("action_step", 0, 0), ("action_step", 1, 0),
-    ("clear", None, None), ("video_step", 2, 0), ("action_step", 2, 0),
-    ("video_step", 0, 4), ("video_step", 1, 4), ("action_step", 0, 4), ("action_step", 1, 4),
-    ("clear", None, None), ("video_step", 2, 4), ("action_step", 2, 4),
-    ("video_step", 0, 8), ("video_step", 1, 8), ("action_step", 0, 8), ("action_step", 1, 8),
-]
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "io, 2 heads"])

@@ -20,14 +20,14 @@ from zoo.core.numerics import compare  # noqa: E402
 from zoo.export.hub_cache import hub_environment  # noqa: E402
 from zoo.runner.slots import HostSlotAllocator  # noqa: E402
 
-from test_lingbot_va import RECIPE, SEQUENCE, _fabricated_hub, _step_inputs, lingbot_va  # noqa: E402
+from support.lingbot_va_tiny import RECIPE, SEQUENCE, fabricated_hub, lingbot_va, step_inputs  # noqa: E402
 
 HOISTED = ["unit.methods=[prompt_kv,video_step,action_step]"]
 
 
 @pytest.fixture(scope="module")
 def unit(tmp_path_factory):
-    cache, checkpoint, _ = _fabricated_hub(tmp_path_factory.mktemp("lingbot_hub_prompt"))
+    cache, checkpoint, _ = fabricated_hub(tmp_path_factory.mktemp("lingbot_hub_prompt"))
     with hub_environment(cache, offline=True):
         return lingbot_va.build_unit(checkpoint, load_recipe(RECIPE, HOISTED))
 
@@ -59,7 +59,7 @@ def test_hoisted_steps_equal_lerobots_calls_over_a_sequence(unit):
             eager.clear_predictions()
             alloc.clear_predictions()
             continue
-        latents, timesteps, grid = _step_inputs(method, frame_st_id, g)
+        latents, timesteps, grid = step_inputs(method, frame_st_id, g)
         ref = eager(method, latents, timesteps, grid, text, update)
         per_step = pool.video_slots_per_step if method == "video_step" else pool.action_slots_per_step
         slots, visible = alloc.begin(per_step)
@@ -71,7 +71,7 @@ def test_hoisted_steps_equal_lerobots_calls_over_a_sequence(unit):
     # The given K/V are really read: another prompt's change the prediction.
     with torch.no_grad():
         other_k, other_v = unit.methods["prompt_kv"].module(torch.randn(2, 16, 64, generator=g))
-        latents, timesteps, grid = _step_inputs("action_step", 12, g)
+        latents, timesteps, grid = step_inputs("action_step", 12, g)
         slots, visible = alloc.begin(pool.action_slots_per_step)
         same = unit.methods["action_step"].module(latents, timesteps, grid, text_k, text_v, slots, visible,
                                                   k_pool, v_pool)[0]

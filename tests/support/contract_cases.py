@@ -53,6 +53,7 @@ def lingbot_va_settings() -> LingBotVAHostSettings:
                         image_hflip=False),
         vae=StreamingVae(first_method="vae_encode_first", step_method="vae_encode", frames_per_call=4,
                          cache=["vae_cache_0", "vae_cache_1"], keyframe_stride=2),
+        prompt_method="prompt_kv",
     )
 
 
@@ -81,6 +82,7 @@ LINGBOT_VA_JSON: Dict[str, Any] = {
                 "image_hflip": False},
     "vae": {"first_method": "vae_encode_first", "step_method": "vae_encode", "frames_per_call": 4,
             "cache": ["vae_cache_0", "vae_cache_1"], "keyframe_stride": 2},
+    "prompt_method": "prompt_kv",
 }
 
 

@@ -33,11 +33,13 @@ from zoo.export.lower.preflight import PreflightResult
 from zoo.export.lower.target import NATIVE, TargetPlan, check_lowered, local_device, plan_target
 from zoo.export.lower.workers import MethodJob, MethodPart, choose_workers, lower_in_process, lower_in_workers
 
-# A worker holds its program, then Inductor's host copies of the weights blob and ExecuTorch's bytes of it:
-# about three times the weights at its peak (read in codecache.py and aoti_backend.py, not measured), plus
-# Inductor and Python themselves. Used to bound the default number of workers by the available memory, and
-# claimed machine-wide by each worker before it starts (zoo.export.lower.admission).
-WORKER_MEMORY_FACTOR = 3
+# A worker holds its program, then Inductor's host copies of the weights blob and ExecuTorch's bytes of it, plus
+# Inductor and Python themselves. Measured on an H200 box (docs/gpu-results.md): a real-size LingBot-VA lowering,
+# four workers carrying 9.0, 9.0, 0.3 and 0.3 GiB, took 86 GiB of the machine's available memory at its lowest;
+# four times the weights plus 2 GiB each is 82 GiB (three times was 64, too little to keep a second lowering out).
+# Used to bound the default number of workers by the available memory, and claimed machine-wide by each worker
+# before it starts (zoo.export.lower.admission).
+WORKER_MEMORY_FACTOR = 4
 WORKER_MEMORY_BASE = 2 << 30
 
 
