@@ -132,6 +132,8 @@ class PolicyCheck:
     gpu: bool = True  # after verification on a GPU: the artifact runner, against LeRobot eager on the GPU
     chunks: int = 3  # action chunks the observation sequence covers (one more action starts a fourth)
     seed: int = 0  # torch.manual_seed before each episode, and the seed of the synthetic observations
+    # Episodes of seeds seed, seed + 1, ...: the bf16 rule is judged over all their actions at once.
+    episodes: int = 1
     task: str = "pick up the bowl and put it on the plate"  # the task text every observation carries
     tolerance: PolicyCheckTolerance = field(default_factory=PolicyCheckTolerance)
 

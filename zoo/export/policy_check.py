@@ -1,6 +1,7 @@
 """The policy check: the runner over a run folder against LeRobot's own policy from the same checkpoint, driven as a
-LeRobot control loop drives it, over one seeded synthetic episode, judged per action chunk: on the CPU during
-export (eager runner, float32 units) and on the GPU after verification (the artifact; float32 or zoo's bf16 rule).
+LeRobot control loop drives it, over seeded synthetic episodes (``policy_check.episodes``), float32 judged per action
+chunk, bf16 by zoo's bf16 rule over all actions: on the CPU during export (eager runner, float32 units) and on the
+GPU after verification (the artifact).
 Skipped where lerobot is missing; "not applicable" to families without an action loop (docs/host-loops.md).
 """
 
@@ -11,7 +12,7 @@ import copy
 import importlib.util
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -82,22 +83,26 @@ def checkpoint_in_reach(recipe) -> Iterator[Path]:
         yield hub.pull(recipe).path
 
 
-def episode(run: RunFolder, recipe) -> List[dict]:
-    """The observation sequence both sides get: enough for ``policy_check.chunks`` chunks and one more action."""
+def episode(run: RunFolder, recipe, seed: Optional[int] = None) -> List[dict]:
+    """The observation sequence both sides get: enough for ``policy_check.chunks`` chunks and one more action
+    (seeded by ``seed``, by default the recipe's ``policy_check.seed``)."""
     settings = run.read_host_settings()
     runner_class = RUNNERS[settings.policy_type]
     check = recipe.policy_check
-    return synthetic_observations(settings, runner_class.episode_steps(settings, check.chunks), check.seed, check.task)
+    return synthetic_observations(settings, runner_class.episode_steps(settings, check.chunks),
+                                  check.seed if seed is None else seed, check.task)
 
 
 def check_run(run: RunFolder, recipe, checkpoint: Path, *, backend: str = "eager",
               device: str = "cpu", cuda_graphs: bool = False) -> PolicyCheckResult:
     """The runner over ``run`` (``backend`` on ``device``, its methods replayed as CUDA graphs with
-    ``cuda_graphs``) against LeRobot's policy from ``checkpoint`` on the same device. Returns the per-chunk
-    result; raising on a failed one is the caller's."""
+    ``cuda_graphs``) against LeRobot's policy from ``checkpoint`` on the same device, over
+    ``policy_check.episodes`` episodes (seeds ``seed``, ``seed + 1``, ...). Returns the result, every chunk and,
+    under the bf16 rule, the verdict over all actions; raising on a failed one is the caller's."""
     family = policies.load_family(recipe.family)
     check = recipe.policy_check
-    observations = episode(run, recipe)
+    seeds = [check.seed + k for k in range(max(1, check.episodes))]
+    observations = {seed: episode(run, recipe, seed) for seed in seeds}
     low_precision = recipe.unit.dtype != "float32"
     tolerance = ChunkTolerance(float32=check.tolerance.float32 if device == "cpu" else check.tolerance.gpu_float32,
                                bf16_factor=check.tolerance.bf16_factor,
@@ -105,13 +110,12 @@ def check_run(run: RunFolder, recipe, checkpoint: Path, *, backend: str = "eager
     precision = full_fp32_precision() if device != "cpu" else contextlib.nullcontext()
     # Past 10 s a bar shows which episode runs: LeRobot's (and its float32 one for bf16), then the runner's.
     with precision, tempfile.TemporaryDirectory(prefix="zoo-policy-check-") as tmp, \
-            Progress("policy check", 3 if low_precision else 2, unit="episode") as bar:
+            Progress("policy check", (3 if low_precision else 2) * len(seeds), unit="episode") as bar:
         bar.begin("LeRobot's select_action")
         policy, pre, post = _lerobot_policy(family, checkpoint, recipe, device)
         # The runner reads the task's embedding from a prompt file, as a deployed runner does.
         prompt = family.embed_prompt(policy, check.task).save(Path(tmp) / "task.safetensors")
-        reference_low = run_episode(ProcessedPolicy(policy, pre, post), observations, check.seed)
-        bar.advance()
+        reference_low = _episodes(ProcessedPolicy(policy, pre, post), observations, bar)
         del policy, pre, post
         expected = reference_low
         if low_precision:  # the bf16 rule's float32 reference: LeRobot's policy in float32, same checkpoint
@@ -123,21 +127,33 @@ def check_run(run: RunFolder, recipe, checkpoint: Path, *, backend: str = "eager
             # low-precision episode's noise, so the rule measures precision, not another sample.
             same_noise = getattr(family, "float32_reference_noise", None)
             with same_noise(getattr(torch, recipe.unit.dtype)) if same_noise else contextlib.nullcontext():
-                expected = run_episode(ProcessedPolicy(policy, pre, post), observations, check.seed)
-            bar.advance()
+                expected = _episodes(ProcessedPolicy(policy, pre, post), observations, bar)
             del policy, pre, post
         bar.begin(f"the {backend} runner")
         runner = load_runner(run, backend=backend, device=device, cuda_graphs=cuda_graphs)
         try:
             runner.load_prompt(prompt)
-            result = compare_episode(runner, expected, observations, seed=check.seed, tolerance=tolerance,
-                                     min_chunks=check.chunks, reference_low=reference_low if low_precision else None)
+            results = []
+            for seed in seeds:
+                results.append(compare_episode(runner, expected[seed], observations[seed], seed=seed,
+                                               tolerance=tolerance, min_chunks=check.chunks,
+                                               reference_low=reference_low[seed] if low_precision else None))
+                bar.advance()
         finally:
             runner.close()
-        bar.advance()
-    result.notes.append(f"{len(observations)} observations: seeded synthetic (seed {check.seed}) from the policy's "
-                        f"input features; task {check.task!r}")
+    result = PolicyCheckResult.merged(results)
+    result.notes.append(f"{len(observations[seeds[0]])} observations an episode: seeded synthetic (seed of the "
+                        f"episode) from the policy's input features; task {check.task!r}")
     return result
+
+
+def _episodes(policy: ProcessedPolicy, observations: Dict[int, List[dict]], bar) -> Dict[int, List]:
+    """One episode of ``policy`` per seed, each from ``torch.manual_seed(seed)``."""
+    actions = {}
+    for seed, sequence in observations.items():
+        actions[seed] = run_episode(policy, sequence, seed)
+        bar.advance()
+    return actions
 
 
 def _lerobot_policy(family, checkpoint: Path, recipe, device: str):
@@ -191,9 +207,8 @@ def record_skip(report: RunReport, where: str, reason: str) -> None:
 def require_passed(result: PolicyCheckResult) -> None:
     if not result.ok:
         exc = PolicyCheckFailed(
-            f"policy check failed: {len(result.failures())} of {len(result.rows)} action chunks differ from "
-            f"LeRobot's select_action beyond tolerance (runner {result.backend} on {result.device})\n"
-            + result.table(),
+            f"policy check failed: {result.verdict()}, against LeRobot's select_action (runner {result.backend} on "
+            f"{result.device})\n" + result.table(),
             "the runner or the artifact does not reproduce the policy: the table shows which chunk; check "
             "host_settings.json (schedules, shifts, guidance) and the verification report", result=result)
         raise exc
@@ -204,13 +219,15 @@ def skipped_record(reason: str) -> dict:
 
 
 def passed_detail(result: PolicyCheckResult) -> str:
+    actions = sum(r.steps for r in result.rows)
+    if result.pooled is not None:
+        return (f"{len(result.rows)} chunks ({actions} actions): rel L2 {result.pooled.rel_l2:.2e} over all of "
+                f"them, bound {result.pooled.bound:.1e} ({result.backend}, {result.device}, {result.rule})")
     worst = max(r.rel_l2 for r in result.rows)
-    return (f"{len(result.rows)} chunks ({sum(r.steps for r in result.rows)} actions) within tolerance, "
+    return (f"{len(result.rows)} chunks ({actions} actions) within tolerance, "
             f"worst rel L2 {worst:.2e} ({result.backend}, {result.device}, {result.rule})")
 
 
 def failed_detail(result: Optional[Any]) -> Optional[str]:
-    if isinstance(result, PolicyCheckResult):
-        return f"{len(result.failures())} of {len(result.rows)} action chunks out of tolerance"
-    return None
+    return result.verdict() if isinstance(result, PolicyCheckResult) else None
 

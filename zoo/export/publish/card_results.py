@@ -167,8 +167,8 @@ def policy_check_section(manifest: Mapping[str, Any], note: Mapping[str, str]) -
     record = manifest.get("policy_check") or {}
     out += ["`zoo.runner` drove the artifact's methods the way LeRobot's policy drives its model and was compared "
             "with LeRobot's own `select_action`, built from the same checkpoint with the same seed, noise and a "
-            "seeded synthetic sequence of observations, chunk by chunk (relative L2 of each action chunk; bf16 "
-            "artifacts by zoo's bf16 rule against LeRobot in float32).", ""]
+            "seeded synthetic sequence of observations (relative L2 of each action chunk; bf16 artifacts by zoo's "
+            "bf16 rule against LeRobot in float32, over all the actions at once).", ""]
     for place, words in POLICY_CHECK_PLACES:
         part = record.get(place)
         if not part:
@@ -187,6 +187,12 @@ def policy_check_section(manifest: Mapping[str, Any], note: Mapping[str, str]) -
                           _num(r.get("rel_l2"), ".3e"), _num(r.get("cosine"), ".8f"), _num(r.get("bound"), ".1e"),
                           "yes" if r.get("ok") else f"no: {r.get('why', '')}"])
         out += [markdown_table(table), ""]
+        pooled = part.get("pooled")
+        if pooled:  # the bf16 rule's verdict, over every action
+            out += [f"  The bf16 rule over all {pooled['actions']} actions: relative L2 {pooled['rel_l2']:.3e} "
+                    f"against LeRobot bf16's {pooled['reference_rel_l2']:.3e}, bound {pooled['bound']:.3e}, cosine "
+                    f"{pooled['cosine']:.6f}: {'passed' if pooled['ok'] else 'FAILED'}. A chunk's own bound is "
+                    "for reading.", ""]
     return out
 
 
