@@ -28,8 +28,8 @@ from zoo.policies.lingbot_va.recipe import validate_recipe  # noqa: E402
 from zoo.runner.slots import HostSlotAllocator  # noqa: E402
 from zoo.contract.recipes import load_recipe  # noqa: E402
 
-from support.lingbot_va_tiny import (RECIPE, SEQUENCE, fabricated_hub as _fabricated_hub, lingbot_va,  # noqa: E402
-                                     step_inputs as _step_inputs)
+from support.lingbot_va_tiny import (RECIPE, fabricated_hub as _fabricated_hub, lerobot_sequence,  # noqa: E402
+                                     lingbot_va, step_inputs as _step_inputs)
 
 LAYOUTS = ("io", "buffer")
 
@@ -285,17 +285,10 @@ def test_unit_matches_lerobot_stateful_calls_over_a_sequence(units, layout, requ
     g = torch.Generator().manual_seed(7)
     text = torch.randn(2, 16, 64, generator=g)  # [prompt; negative prompt] UMT5 embeddings
     evicted = False
-    for method, update, frame_st_id in SEQUENCE:
-        if method == "clear":
-            eager.clear_predictions()
-            alloc.clear_predictions()
-            continue
-        latents, timesteps, grid = _step_inputs(method, frame_st_id, g)
-        ref = eager(method, latents, timesteps, grid, text, update)
-        before = int(alloc.mask.sum())
-        per_step = pool.video_slots_per_step if method == "video_step" else pool.action_slots_per_step
-        slots, visible = alloc.begin(per_step)
-        evicted |= int(visible.sum()) < before
+    for step in lerobot_sequence(eager, alloc, pool, g, text):
+        latents, timesteps, grid, slots, visible = step.latents, step.timesteps, step.grid, step.slots, step.visible
+        method, update, ref = step.method, step.update, step.ref
+        evicted |= step.evicted
         module = unit.methods[method].module
         with torch.no_grad():
             if layout == "io":

@@ -20,7 +20,7 @@ from zoo.core.numerics import compare  # noqa: E402
 from zoo.export.hub_cache import hub_environment  # noqa: E402
 from zoo.runner.slots import HostSlotAllocator  # noqa: E402
 
-from support.lingbot_va_tiny import RECIPE, SEQUENCE, fabricated_hub, lingbot_va, step_inputs  # noqa: E402
+from support.lingbot_va_tiny import RECIPE, fabricated_hub, lerobot_sequence, lingbot_va, step_inputs  # noqa: E402
 
 HOISTED = ["unit.methods=[prompt_kv,video_step,action_step]"]
 
@@ -54,20 +54,12 @@ def test_hoisted_steps_equal_lerobots_calls_over_a_sequence(unit):
     text = torch.randn(2, 16, 64, generator=g)
     with torch.no_grad():
         text_k, text_v = unit.methods["prompt_kv"].module(text)
-    for method, update, frame_st_id in SEQUENCE:
-        if method == "clear":
-            eager.clear_predictions()
-            alloc.clear_predictions()
-            continue
-        latents, timesteps, grid = step_inputs(method, frame_st_id, g)
-        ref = eager(method, latents, timesteps, grid, text, update)
-        per_step = pool.video_slots_per_step if method == "video_step" else pool.action_slots_per_step
-        slots, visible = alloc.begin(per_step)
+    for step in lerobot_sequence(eager, alloc, pool, g, text):
         with torch.no_grad():
-            got, k_pool, v_pool = unit.methods[method].module(latents, timesteps, grid, text_k, text_v, slots,
-                                                              visible, k_pool, v_pool)
-        alloc.finish(slots, update)
-        assert torch.equal(got, ref), compare(f"{method} u={update}", got, ref)
+            got, k_pool, v_pool = unit.methods[step.method].module(step.latents, step.timesteps, step.grid, text_k,
+                                                                   text_v, step.slots, step.visible, k_pool, v_pool)
+        alloc.finish(step.slots, step.update)
+        assert torch.equal(got, step.ref), compare(f"{step.method} u={step.update}", got, step.ref)
     # The given K/V are really read: another prompt's change the prediction.
     with torch.no_grad():
         other_k, other_v = unit.methods["prompt_kv"].module(torch.randn(2, 16, 64, generator=g))

@@ -4,7 +4,9 @@ pipeline does for tiny recipes."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from huggingface_hub import snapshot_download
@@ -54,3 +56,34 @@ SEQUENCE = [
     ("clear", None, None), ("video_step", 2, 4), ("action_step", 2, 4),
     ("video_step", 0, 8), ("video_step", 1, 8), ("action_step", 0, 8), ("action_step", 1, 8),
 ]
+
+
+@dataclass
+class Step:
+    """One DiT call of ``SEQUENCE``: its inputs, LeRobot's prediction, and the slots the host allocator chose."""
+
+    method: str
+    update: int
+    latents: torch.Tensor
+    timesteps: torch.Tensor
+    grid: torch.Tensor
+    ref: torch.Tensor
+    slots: torch.Tensor
+    visible: torch.Tensor
+    evicted: bool  # the allocator freed committed slots to make room
+
+
+def lerobot_sequence(eager, alloc, pool, generator, text) -> Iterator[Step]:
+    """``SEQUENCE`` as LeRobot's own transformer calls run it (``eager``, with its own KV cache), the host
+    allocator choosing the slots beside it; the caller runs its unit on each step, then ``alloc.finish``."""
+    for method, update, frame_st_id in SEQUENCE:
+        if method == "clear":
+            eager.clear_predictions()
+            alloc.clear_predictions()
+            continue
+        latents, timesteps, grid = step_inputs(method, frame_st_id, generator)
+        ref = eager(method, latents, timesteps, grid, text, update)
+        before = int(alloc.mask.sum())
+        per_step = pool.video_slots_per_step if method == "video_step" else pool.action_slots_per_step
+        slots, visible = alloc.begin(per_step)
+        yield Step(method, update, latents, timesteps, grid, ref, slots, visible, int(visible.sum()) < before)

@@ -109,13 +109,7 @@ def running(pid: Optional[int], start: Optional[int]) -> bool:
     if Path("/proc/self/stat").exists():
         now = process_start(pid)
         return now is not None and (start is None or now == start)
-    try:  # no /proc: whether the pid exists at all
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return atomic.process_alive(pid)  # no /proc: whether the pid exists at all
 
 
 def resident_bytes(pid: int) -> int:
