@@ -4,8 +4,8 @@ The runner over a bf16 run folder (its programs equal LeRobot's in float32; in b
 judged against LeRobot's float32 episode, with LeRobot's own bf16 episode as the yardstick, over many seeds. Since
 the programs are right, every failure is a false one. Two rules are counted side by side on the same episodes:
 chunk by chunk (each chunk's own 1.25x bound, the rule before) and over all of an episode's actions (the rule now,
-``zoo.runner.check.Pooled``), and the latter over groups of episodes. Copies of the run with one video sigma of
-its host settings off by each ``--sigma-error`` are judged the same way: what a rule lets through. Runs where the
+``zoo.runner.check.Pooled``), and the latter over groups of episodes. Copies of the run with one sigma of a
+stream's schedule (``--stream``) off by each ``--sigma-error`` are judged the same way: what a rule lets through. Runs where the
 policy check runs (the CPU for LingBot-VA's tiny recipe); results in docs/benchmarks.md.
 
     python -m zoo.export lingbot-va-tiny unit.dtype=bfloat16 --output-dir RUN
@@ -49,13 +49,13 @@ def verdicts(results: List[PolicyCheckResult], group: int) -> Dict[str, int]:
             "groups": len(groups), f"over {group} episodes": by_group}
 
 
-def perturbed(run: RunFolder, folder: Path, error: float) -> RunFolder:
-    """The run with video sigma 5 of its host settings off by ``error`` (tests/runner/test_lingbot_va_runner.py
-    catches 1% in float32)."""
+def perturbed(run: RunFolder, folder: Path, stream: str, error: float) -> RunFolder:
+    """The run with sigma 5 of one stream's schedule in its host settings off by ``error``
+    (tests/runner/test_lingbot_va_runner.py catches a video sigma 1% off in float32)."""
     shutil.copytree(run.path, folder)
     copy = RunFolder(folder)
     settings = copy.read_host_settings()
-    settings.scheduler.video.sigmas[5] *= 1 + error
+    getattr(settings.scheduler, stream).sigmas[5] *= 1 + error
     copy.write_host_settings(settings)
     return copy
 
@@ -69,15 +69,17 @@ def main() -> int:
     parser.add_argument("--group", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sigma-error", type=float, nargs="*", default=[0.01, 0.05, 0.2],
-                        help="relative errors put into one video sigma, each judged as a run of its own")
+                        help="relative errors put into one sigma, each judged as a run of its own")
+    parser.add_argument("--stream", choices=("video", "action"), default="action",
+                        help="whose schedule the error goes into (the actions follow the action stream's directly)")
     args = parser.parse_args()
     run = RunFolder(args.run)
     seeds = range(args.episodes)
     rows = {"as exported": verdicts(episodes(run, args.recipe, args.set, seeds, args.device), args.group)}
     with tempfile.TemporaryDirectory() as tmp:
         for error in args.sigma_error:
-            broken = perturbed(run, Path(tmp) / f"perturbed-{error}", error)
-            rows[f"one video sigma {error:.0%} off"] = verdicts(episodes(broken, args.recipe, args.set, seeds,
+            broken = perturbed(run, Path(tmp) / f"perturbed-{error}", args.stream, error)
+            rows[f"one {args.stream} sigma {error:.0%} off"] = verdicts(episodes(broken, args.recipe, args.set, seeds,
                                                                          args.device), args.group)
     keys = list(next(iter(rows.values())))
     print("failures under each rule, out of the episodes (or groups) judged")
