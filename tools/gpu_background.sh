@@ -3,6 +3,7 @@
 # this command (tools/gpu_jobs.sh); it returns once every job is started:
 #
 #   tools/gpu_background.sh BUNDLE_DIR ET_SRC|- WORK [--jobs A,B,...] [--real RECIPE:METHODS] [--chunk POLICY]
+#                           [--chunk-set KEY=VALUE ...]  (a recipe override for the chunk job, once per override)
 #   tools/gpu_jobs.sh wait WORK 600; tools/gpu_jobs.sh collect WORK OUT real/summary.txt ...   (later)
 #
 # BUNDLE_DIR: made by `python -m zoo bundle`. ET_SRC: what scripts/build_runtime.sh builds ExecuTorch's runtime
@@ -36,7 +37,7 @@
 #             before compiling when there is less)
 # Every job writes its log under WORK/jobs/NAME and its tables and JSON under WORK; nothing here waits for them.
 set -uo pipefail
-usage() { sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 3 ] || usage
 BUNDLE="$(cd "$1" && pwd)"; ET_SRC="$2"
 # A path is made absolute (the jobs run from the checkout); a tag is passed on as it is.
@@ -44,11 +45,13 @@ BUNDLE="$(cd "$1" && pwd)"; ET_SRC="$2"
 mkdir -p "$3"; WORK="$(cd "$3" && pwd)"
 shift 3
 JOBS=",real,runtime,tiny,tiny-et,real-et,"; REAL_SPEC="lingbot-va:video_step,action_step"; CHUNK_POLICY=fast_wam
+CHUNK_SET=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --jobs) JOBS=",$2,"; shift 2 ;;
     --real) REAL_SPEC="$2"; shift 2 ;;
     --chunk) CHUNK_POLICY="$2"; shift 2 ;;
+    --chunk-set) CHUNK_SET+=("$2"); shift 2 ;;
     *) echo "gpu_background: unknown option $1" >&2; usage ;;
   esac
 done
@@ -112,6 +115,8 @@ fi
 if want chunk; then
   after=(); want real && after=(--after real)
   bench_chunk=(benchmarks/bench_chunk.py --out "$WORK/chunk" --policies "$CHUNK_POLICY")
+  # Quoted here: in_env hands the words to bash -c as one line ([, ], commas and spaces in an override).
+  [ ${#CHUNK_SET[@]} -eq 0 ] || bench_chunk+=(--set $(printf '%q ' "${CHUNK_SET[@]}"))
   chunk() { in_env python3 "${bench_chunk[@]}" "$@"; }
   # The lowering does not wait for the runtime build: it verifies on torch's AOTI runner, and ExecuTorch's runtime
   # is then judged by the policy check through it and by the method latencies, which do wait for the build.
