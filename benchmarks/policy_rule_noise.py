@@ -15,7 +15,6 @@ policy check runs (the CPU for LingBot-VA's tiny recipe); results in docs/benchm
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,18 +22,16 @@ from typing import Dict, List
 
 from zoo.contract.recipes import load_recipe
 from zoo.contract.run_folder import RunFolder
-from zoo.export.policy_check import check_run
-from zoo.export.tiny_hub import fabricated_hub
+from zoo.export.policy_check import check_run, checkpoint_in_reach
 from zoo.runner.check import PolicyCheckResult
 
 
 def episodes(run: RunFolder, recipe_name: str, overrides: List[str], seeds: range, device: str
              ) -> List[PolicyCheckResult]:
-    checkpoint = Path(json.loads((run.path / "source.json").read_text())["path"])
     results = []
     for seed in seeds:
         recipe = load_recipe(recipe_name, overrides + [f"policy_check.seed={seed}", "policy_check.episodes=1"])
-        with fabricated_hub(recipe):
+        with checkpoint_in_reach(recipe) as checkpoint:
             results.append(check_run(run, recipe, checkpoint, backend="eager", device=device))
     return results
 

@@ -105,7 +105,7 @@ class LingBotVARunner(PolicyRunner):
         self._vae_cache: Optional[List[torch.Tensor]] = None
         self.allocator.reset()
         self._pools: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
-        self._prompt_kv: Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = None  # (text_emb, its K/V)
+        self._prompt_kv: Optional[Tuple[torch.Tensor, Dict[str, torch.Tensor]]] = None  # (prompt embeds, K/V)
 
     # --- LeRobot's select_action / predict_action_chunk ------------------------------------------------------
 
@@ -233,9 +233,11 @@ class LingBotVARunner(PolicyRunner):
         when the run computes the prompt's K/V in a method of its own, those, made once per prompt."""
         if not self.prompt_method:
             return {"text_emb": self.backend.hold("text_emb", text_emb)}
-        if self._prompt_kv is None or not torch.equal(self._prompt_kv[0], text_emb):
+        # Keyed by the episode's prompt embedding, which text_emb is made from in every call: comparing the
+        # tensors themselves would wait for the GPU in every call.
+        if self._prompt_kv is None or self._prompt_kv[0] is not self._prompt_embeds:
             out = self.call(self.prompt_method, text_emb=text_emb)
-            self._prompt_kv = (text_emb.clone(), {"text_k": out["text_k"], "text_v": out["text_v"]})
+            self._prompt_kv = (self._prompt_embeds, {"text_k": out["text_k"], "text_v": out["text_v"]})
         return self._prompt_kv[1]
 
     # --- m:630-699 -------------------------------------------------------------------------------------------
