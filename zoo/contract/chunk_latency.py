@@ -7,8 +7,8 @@ that run (docs/benchmarks.md). An artifact's card names the recipe's entry, its 
 measured.
 
 An entry: ``gpu``, ``measured`` (date), ``command``, ``dtype``, ``actions_per_chunk``, ``weights`` (how they were
-made), and per candidate (``runner``, ``executorch``, ``graphs``, ``pytorch``, ``eager``, ``compile``: those that were timed)
-``median_ms``, ``p10_ms``, ``p90_ms`` and ``actions_per_second``; ``floor_ms``, the chunk's hardware floor
+made), and per candidate (``runner``, ``executorch``, ``graphs``, ``pytorch``, ``eager``, ``compile``: those that
+were timed) ``median_ms``, ``p10_ms``, ``p90_ms`` and ``actions_per_second``; ``floor_ms``, the chunk's hardware floor
 (``zoo.bench.roofline``; None when not worked out); ``ratios`` (those of ``zoo.bench.chunk.TARGETS`` that were
 measured, and LEVERS: what a lever buys, e.g. ``graphs/runner``).
 """

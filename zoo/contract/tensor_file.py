@@ -62,8 +62,8 @@ def write_tensor(path: PathLike, tensor: torch.Tensor, *, handover: bool = False
 
     ``handover=True`` writes it in place instead, unsynced: for a file another process is told about only after
     this returns and deletes after reading (ExecuTorch's runner), where the telling orders the two, nothing must
-    survive a crash, and the temporary file, rename and fsync of an atomic write cost about a millisecond per
-    call of a DiT step's five inputs (benchmarks/bench_session.py)."""
+    survive a crash, and the temporary files, renames and fsyncs of atomic writes cost 2.3 ms per call of a DiT
+    step's five inputs on a CPU machine's disk (benchmarks/bench_session.py)."""
     _check_host()
     if tensor.dtype not in DTYPE_CODES:
         raise TensorFileError(f"{path}: dtype {tensor.dtype} has no code in the zoo tensor format",

@@ -100,6 +100,12 @@ def judge(c: Comparison, rel_l2_max: float, min_cosine: Optional[float] = None) 
     return c
 
 
+def low_precision_bound(eager_rel_l2: float, tolerance) -> float:
+    """The bf16 rule's bound on a relative L2: ``tolerance.bf16_factor`` times eager low precision's own, never
+    tighter than the float32 tolerance (eager bf16 can be exact)."""
+    return max(tolerance.bf16_factor * eager_rel_l2, tolerance.float32)
+
+
 def judge_low_precision(name: str, got: torch.Tensor, eager: torch.Tensor, ref32: torch.Tensor,
                         tolerance) -> Tuple[Comparison, float, Comparison]:
     """The bf16 rule, for the CPU check and the GPU verification alike: ``got`` and eager low precision are
@@ -111,7 +117,7 @@ def judge_low_precision(name: str, got: torch.Tensor, eager: torch.Tensor, ref32
     if not eager_c.ok or not math.isfinite(eager_c.rel_l2):
         c.ok, c.why = False, f"eager low precision is itself unusable against float32 ({eager_c.why or 'non-finite'})"
         return c, math.nan, eager_c
-    bound = max(tolerance.bf16_factor * eager_c.rel_l2, tolerance.float32)
+    bound = low_precision_bound(eager_c.rel_l2, tolerance)
     judge(c, bound, tolerance.bf16_min_cosine)
     if not c.ok:
         c.why += f" (eager bf16 is {eager_c.rel_l2:.3e} from float32, factor {tolerance.bf16_factor})"

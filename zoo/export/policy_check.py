@@ -222,7 +222,7 @@ def passed_detail(result: PolicyCheckResult) -> str:
     actions = sum(r.steps for r in result.rows)
     if result.pooled is not None:
         return (f"{len(result.rows)} chunks ({actions} actions): rel L2 {result.pooled.rel_l2:.2e} over all of "
-                f"them, bound {result.pooled.bound:.1e} ({result.backend}, {result.device}, {result.rule})")
+                f"them, bound {result.pooled.bound:.3e} ({result.backend}, {result.device}, {result.rule})")
     worst = max(r.rel_l2 for r in result.rows)
     return (f"{len(result.rows)} chunks ({actions} actions) within tolerance, "
             f"worst rel L2 {worst:.2e} ({result.backend}, {result.device}, {result.rule})")

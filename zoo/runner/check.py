@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from zoo.core.errors import RunnerError
-from zoo.core.numerics import compare, judge, judge_low_precision
+from zoo.core.numerics import compare, judge, judge_low_precision, low_precision_bound
 from zoo.core.report import format_table
 
 Batch = Dict[str, Any]
@@ -71,21 +71,18 @@ class Pooled:
     ref_sq: float  # sum |ref|^2
     got_sq: float  # sum |got|^2
     dot: float  # sum got . ref
-    factor: float
-    min_cosine: float
-    least_bound: float  # the float32 tolerance: no bound is tighter (the reference's bf16 can be exact)
+    tolerance: ChunkTolerance
 
     @classmethod
-    def of(cls, got: torch.Tensor, ref: torch.Tensor, low: torch.Tensor, tolerance: "ChunkTolerance") -> "Pooled":
+    def of(cls, got: torch.Tensor, ref: torch.Tensor, low: torch.Tensor, tolerance: ChunkTolerance) -> "Pooled":
         g, r, lo = (t.detach().to("cpu", torch.float64).flatten() for t in (got, ref, low))
         return cls(int(got.shape[0]), float(((g - r) ** 2).sum()), float(((lo - r) ** 2).sum()), float((r * r).sum()),
-                   float((g * g).sum()), float((g * r).sum()), tolerance.bf16_factor, tolerance.bf16_min_cosine,
-                   tolerance.float32)
+                   float((g * g).sum()), float((g * r).sum()), tolerance)
 
     def __add__(self, other: "Pooled") -> "Pooled":
         sums = [getattr(self, k) + getattr(other, k) for k in ("actions", "diff_sq", "low_sq", "ref_sq", "got_sq",
                                                                  "dot")]
-        return Pooled(*sums, self.factor, self.min_cosine, self.least_bound)
+        return Pooled(*sums, self.tolerance)
 
     @property
     def rel_l2(self) -> float:
@@ -102,18 +99,20 @@ class Pooled:
 
     @property
     def bound(self) -> float:
-        return max(self.factor * self.reference_rel_l2, self.least_bound)
+        return low_precision_bound(self.reference_rel_l2, self.tolerance)
 
     @property
     def ok(self) -> bool:
         values = (self.rel_l2, self.reference_rel_l2, self.cosine)
-        return all(math.isfinite(v) for v in values) and self.rel_l2 <= self.bound and self.cosine >= self.min_cosine
+        return (all(math.isfinite(v) for v in values) and self.rel_l2 <= self.bound
+                and self.cosine >= self.tolerance.bf16_min_cosine)
 
     def line(self) -> str:
         verdict = "ok" if self.ok else "FAIL"
+        tol = self.tolerance
         return (f"all {self.actions} actions (the rule): rel L2 {self.rel_l2:.3e}, LeRobot bf16 "
-                f"{self.reference_rel_l2:.3e}, bound {self.bound:.3e} ({self.factor} x, at least "
-                f"{self.least_bound:.0e}), cosine {self.cosine:.6f} (at least {self.min_cosine}): {verdict}")
+                f"{self.reference_rel_l2:.3e}, bound {self.bound:.3e} ({tol.bf16_factor} x, at least "
+                f"{tol.float32:.0e}), cosine {self.cosine:.6f} (at least {tol.bf16_min_cosine}): {verdict}")
 
 
 @dataclass
@@ -184,7 +183,7 @@ class PolicyCheckResult:
                 f"{which}\n" + format_table(rows) + pooled)
 
 
-def _insane(c, bound: float, tolerance: ChunkTolerance) -> str:
+def _why_chunk_fails(c, bound: float, tolerance: ChunkTolerance) -> str:
     """Why a chunk fails on its own under the bf16 rule ("" when it does not)."""
     if not math.isfinite(bound):
         return c.why  # the reference's own low-precision chunk is unusable
@@ -261,7 +260,7 @@ def compare_episode(runner: Any, expected: Sequence[torch.Tensor], observations:
             c, bound, eager = judge_low_precision(f"chunk {chunk}", mine, low, want, tolerance)
             # A chunk's own ratio is for reading (the rule is pooled below); what fails a chunk on its own is a
             # non-finite result, an unusable reference or a cosine under the rule's.
-            why = _insane(c, bound, tolerance)
+            why = _why_chunk_fails(c, bound, tolerance)
             rows.append(ChunkRow(chunk, len(steps), list(c.shape), c.max_abs, c.rel_l2, c.cosine, bound, not why,
                                  why, eager.rel_l2 if math.isfinite(eager.rel_l2) else None))
     pooled = None
