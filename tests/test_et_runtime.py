@@ -173,7 +173,7 @@ def test_a_program_that_does_not_load_is_a_clear_failure(run_dir, fake_runner, m
 
 def test_a_runner_that_dies_while_loading_leaves_nothing_behind(run_dir, fake_runner, monkeypatch, tmp_path):
     monkeypatch.setenv("FAKE_ZOO_RUNNER_MODE", "abort-on-load")
-    monkeypatch.setattr(et_runtime.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv(et_runtime.HANDOVER_ENV, str(tmp_path))
     with pytest.raises(RuntimeCallFailed, match="died while loading the program .killed by signal 6") as info:
         et_runtime.RuntimeSession(run_dir / "model.pte", executable=fake_runner)
     assert "undefined symbol: aoti_torch_dtype_float64" in str(info.value)
@@ -188,6 +188,36 @@ def test_a_runner_that_aborts_mid_call_is_reported_with_its_log(run_dir, fake_ru
     assert "signal 6" in str(info.value) and "AOTInductorModelContainerRun failed" in str(info.value)
     session.close()
     assert not session.work_dir.exists()
+
+
+class _Statvfs:
+    def __init__(self, free_bytes):
+        self.f_bavail, self.f_frsize = free_bytes // 4096, 4096
+
+
+def test_hand_over_files_go_to_ram_only_with_room_to_spare(monkeypatch, tmp_path):
+    monkeypatch.delenv(et_runtime.HANDOVER_ENV, raising=False)
+    monkeypatch.setattr(et_runtime, "RAM_FOLDER", tmp_path)
+    monkeypatch.setattr(et_runtime.os, "statvfs", lambda path: _Statvfs(64 << 20))  # a container's default /dev/shm
+    assert et_runtime.handover_root() is None
+    monkeypatch.setattr(et_runtime.os, "statvfs", lambda path: _Statvfs(8 << 30))
+    assert et_runtime.handover_root() == str(tmp_path)
+    assert et_runtime.handover_root(need_bytes=5 << 30) is None  # a plan's inputs would leave under 4 GiB free
+    monkeypatch.setattr(et_runtime, "RAM_FOLDER", tmp_path / "absent")
+    monkeypatch.setattr(et_runtime.os, "statvfs", lambda path: (_ for _ in ()).throw(FileNotFoundError(path)))
+    assert et_runtime.handover_root() is None
+    monkeypatch.setenv(et_runtime.HANDOVER_ENV, str(tmp_path / "chosen"))
+    assert et_runtime.handover_root(need_bytes=1 << 40) == str(tmp_path / "chosen")
+
+
+def test_a_session_writes_its_files_under_the_chosen_folder(run_dir, fake_runner, monkeypatch, tmp_path):
+    monkeypatch.setenv(et_runtime.HANDOVER_ENV, str(tmp_path))
+    with et_runtime.RuntimeSession(run_dir / "model.pte", executable=fake_runner) as s:
+        assert s.work_dir.parent == tmp_path.resolve()
+        x, idx, mask = gather_inputs(3)
+        got, _ = s.call("gather", [x, idx, mask])
+        torch.testing.assert_close(got, Gather()(x, idx, mask)[0])
+    assert not list(tmp_path.iterdir())  # closed: its folder is gone
 
 
 def test_a_missing_method_is_a_clear_failure(run_dir, fake_runner):

@@ -32,7 +32,7 @@
 #             runtime, the runner with CUDA graphs, LeRobot eager, the strongest PyTorch, each runner with its
 #             roofline; recorded for the model card in the checkout's zoo/data/chunk_latency.json, copied to
 #             WORK/chunk/recorded_chunk_latency.json), then, with zoo_runner, chunk-methods (the DiT methods'
-#             latency on both runtimes, the GPU memory after loading and its peak over the calls,
+#             latency on both runtimes: LingBot-VA's video_step and action_step, Fast-WAM's prefill and action_step; the GPU memory after loading and its peak over the calls,
 #             benchmarks/gpu_runtime_check.py); WORK/chunk holds their tables and JSON. The lowering needs ~52 GB of free disk at LingBot-VA's size (it says so
 #             before compiling when there is less)
 # Every job writes its log under WORK/jobs/NAME and its tables and JSON under WORK; nothing here waits for them.
@@ -137,8 +137,9 @@ if want chunk; then
     --pytorch --no-compile --episodes 2 --chunks 3 --record) && cp zoo/data/chunk_latency.json \"$WORK/chunk/recorded_chunk_latency.json\""
   # Last: the per-method times on both runtimes were measured before; what this adds is the peak GPU memory
   # over repeated calls, which shows whether the runtime frees what each call hands back.
+  dit=(video_step action_step); [ "$CHUNK_POLICY" = fast_wam ] && dit=(prefill action_step)
   want runtime && "$J" start "$WORK" chunk-methods --after chunk-bench --limit 600 -- bash -c "$(in_env python3 \
-    benchmarks/gpu_runtime_check.py "$WORK/chunk/$CHUNK_POLICY/run" --no-verify --steps 0 --latency video_step action_step \
+    benchmarks/gpu_runtime_check.py "$WORK/chunk/$CHUNK_POLICY/run" --no-verify --steps 0 --latency "${dit[@]}" \
     --memory --runner "$RUNNER" --out "$WORK/chunk/methods")"
 fi
 "$J" table "$WORK"
