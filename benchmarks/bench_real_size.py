@@ -169,8 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input-sets", type=int, default=None, help="input sets to rotate through (default: auto)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile candidate (saves its compile)")
     p.add_argument("--no-rotary", action="store_true", help="skip the rotary microbenchmark")
-    p.add_argument("--profile", action="store_true",
-                   help="also list each candidate's top kernels by device time (CUDA profiler, after timing)")
+    p.add_argument("--profile", nargs="?", type=int, const=6, default=0, metavar="TOP",
+                   help="also list each candidate's device time by kind of kernel and its TOP kernels (default 6; "
+                        "CUDA profiler, after timing)")
     p.add_argument("--no-verify", action="store_true", help="skip zoo's verification (the bench still compares "
                                                             "the artifact's outputs with eager's)")
     p.add_argument("--keep-artifacts", action="store_true",

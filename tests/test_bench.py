@@ -536,8 +536,10 @@ def test_device_time_leaves_out_the_host_and_sees_known_work():
 def test_top_kernels_name_the_kernel_that_takes_the_time():
     a, small = torch.randn(4096, 4096, device="cuda"), torch.randn(64, device="cuda")
     rows = bench.top_kernels(lambda args: [args[0] @ args[0], small + 1], [[a]], calls=3)
-    total, first = rows[0], rows[1]
+    kinds = [r for r in rows if r["kernel"].startswith("[")]
+    total, first = rows[0], [r for r in rows[1:] if not r["kernel"].startswith("[")][0]
     assert total["kernel"] == "(all kernels)" and total["launches_per_call"] >= 2
+    assert kinds[0]["kernel"] == "[gemm]" and kinds[0]["share"] > 0.9
     assert "gemm" in first["kernel"].lower() or "sgemm" in first["kernel"].lower() or "cutlass" in first["kernel"].lower()
     assert first["share"] > 0.9 and first["launches_per_call"] == 1
 
@@ -570,6 +572,23 @@ def test_bench_of_a_lowered_tiny_run_times_the_artifact(run_folder, tmp_path, te
         assert m["agreement"]["artifact"]["worst_rel_l2"] < 1e-5  # float32 pairs vs complex64 eager
         assert m["ratios"]["artifact/eager"] > 0 and m["ratios"]["artifact/compile"] > 0
     assert result["artifact_sizes"]["model.pte"] > 0
+
+
+@pytest.mark.parametrize("name, kind", [
+    # Names from the profile of a LingBot-VA artifact and of cuBLAS/cuDNN, classified by hand.
+    ("_sdpa_fwd_kernel_m32", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
+    ("triton_tem_fused_addmm_gelu_t_view_57", "gemm"),
+    ("nvjet_sm90_tst_144x64_64x4_1x2_h_bz_coopA_NTN", "gemm"),
+    ("triton_tem_fused_convolution_3", "convolution"),
+    ("triton_poi_fused_stack_50", "copy"),  # the io KV pool written whole
+    ("triton_poi_fused__to_copy_add_index_copy_select_stack_sub_view_copy_47", "copy"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("triton_red_fused__to_copy_add_mul_native_layer_norm_permute_copy_slice", "other"),  # a cast is no copy
+    ("triton_poi_fused_transpose_copy_51", "other"),  # an ExecuTorch view op, fused
+])
+def test_kernel_kind_reads_what_a_kernel_does_from_its_name(name, kind):
+    assert bench.kernel_kind(name) == kind
 
 
 def test_kernel_rows_list_each_candidates_top_kernels():

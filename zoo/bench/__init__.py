@@ -23,6 +23,7 @@ from zoo.bench.candidates import (
     error_line,
     indexed_device,
     input_specs,
+    kernel_kind,
     load_program_module,
     module_runner,
     parse_sizes,
@@ -85,5 +86,5 @@ __all__ = [
     "judge_at_most", "judge_method", "kernel_rows", "latency_rows", "load_io_spec", "load_program_module", "main",
     "measure", "measure_device_time", "missed_targets", "module_runner", "parse_sizes", "percentile", "ratios",
     "render", "rotary_rows", "run_folder_candidates", "run_name", "set_bytes", "size_cases", "timer_for",
-    "top_kernels", "units_rows", "write_results",
+    "top_kernels", "kernel_kind", "units_rows", "write_results",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,7 @@ class Candidate:
 
 def bench_candidate(candidate: Candidate, cases: Sequence[Tuple[Dict[str, int], Sequence[Sequence[torch.Tensor]]]],
                     warmup: int, runs: int, device: str, keep_outputs: bool = True,
-                    profile: bool = False, timer=None) -> List[Dict[str, Any]]:
+                    profile: int = 0, timer=None) -> List[Dict[str, Any]]:
     """Build one candidate, then for each size case warm it, reset the peak counter and time it.
 
     Returns one record per case: stats, peak memory, build and first-call seconds (the first call includes
@@ -77,7 +78,7 @@ def bench_candidate(candidate: Candidate, cases: Sequence[Tuple[Dict[str, int], 
                     records.append(_time_case(run, inputs_list, warmup, runs, timer, memory, keep_outputs,
                                               build_s))
                     if profile and dev.type == "cuda":
-                        records[-1]["top_kernels"] = top_kernels(run, inputs_list)
+                        records[-1]["top_kernels"] = top_kernels(run, inputs_list, top=int(profile))
                 except Exception as exc:  # e.g. out of memory at one size: record it, try the next size
                     records.append({"error": f"run failed at sizes {sizes}: {error_line(exc)}"})
     finally:
@@ -87,8 +88,26 @@ def bench_candidate(candidate: Candidate, cases: Sequence[Tuple[Dict[str, int], 
     return records
 
 
+# What a kernel does, read from its name (Inductor's, cuBLAS's, cuDNN's, ExecuTorch's Triton SDPA, torch's own),
+# first match wins: the share of a step's device time each kind takes names the lever to work on.
+KERNEL_KINDS = (
+    ("attention", re.compile(r"sdpa|flash|fmha|attention|_attn", re.I)),
+    ("convolution", re.compile(r"conv|cudnn", re.I)),
+    ("gemm", re.compile(r"triton_tem_|gemm|nvjet|cutlass|xmma|cublas|splitk|_mm_|matmul", re.I)),
+    # Not "copy" alone: Inductor names a fused kernel after every op in it, and "_to_copy" (a cast) or
+    # "view_copy" (ExecuTorch's view ops) are no copies. "stack" and "index_copy" are what rewrites a KV pool.
+    ("copy", re.compile(r"memcpy|memset|index_copy|index_put|scatter|_cat_|_cat$|stack|fill|clone", re.I)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """``attention``, ``convolution``, ``gemm``, ``copy`` or ``other`` (element-wise and reductions)."""
+    return next((kind for kind, pattern in KERNEL_KINDS if pattern.search(name)), "other")
+
+
 def top_kernels(run: RunFn, inputs_list, calls: int = 3, top: int = 6) -> List[Dict[str, Any]]:
-    """Where a candidate's device time goes: its kernels by total device time per call (CUDA profiler).
+    """Where a candidate's device time goes: its kernels by total device time per call (CUDA profiler), after
+    one row per kind of kernel (``kernel_kind``), named ``[kind]``.
 
     CUPTI sees every kernel the process launches, an AOTI ``.so``'s too, so the artifact and torch.compile
     can be compared kernel by kernel when one is slower.
@@ -103,10 +122,18 @@ def top_kernels(run: RunFn, inputs_list, calls: int = 3, top: int = 6) -> List[D
                if e.self_device_time_total > 0]
     total = sum(t for _, t, _ in kernels) or 1.0
     kernels.sort(key=lambda k: -k[1])
-    rows = [{"kernel": name if len(name) <= 90 else name[:87] + "...", "ms_per_call": t / 1e3 / calls,
-             "launches_per_call": n / calls, "share": t / total} for name, t, n in kernels[:top]]
-    return [{"kernel": "(all kernels)", "ms_per_call": total / 1e3 / calls,
-             "launches_per_call": sum(n for _, _, n in kernels) / calls, "share": 1.0}] + rows
+    def row(name: str, t: float, n: float) -> Dict[str, Any]:
+        return {"kernel": name if len(name) <= 90 else name[:87] + "...", "ms_per_call": t / 1e3 / calls,
+                "launches_per_call": n / calls, "share": t / total}
+
+    kinds: Dict[str, List[float]] = {}
+    for name, t, n in kernels:
+        kind = kinds.setdefault(kernel_kind(name), [0.0, 0])
+        kind[0] += t
+        kind[1] += n
+    by_kind = sorted(kinds.items(), key=lambda item: -item[1][0])
+    return ([row("(all kernels)", total, sum(n for _, _, n in kernels))]
+            + [row(f"[{kind}]", t, n) for kind, (t, n) in by_kind] + [row(*k) for k in kernels[:top]])
 
 
 def _time_case(run: RunFn, inputs_list, warmup: int, runs: int, timer, memory: PeakMemory, keep_outputs: bool,
@@ -206,7 +233,7 @@ def parse_sizes(items: Sequence[str]) -> Dict[str, List[int]]:
 def bench_method(method: str, specs: Sequence[InputSpec], cases: Sequence[Dict[str, int]],
                  candidates: Sequence[Candidate], warmup: int, runs: int, device: str,
                  input_sets: Optional[int] = None, targets: Targets = TARGETS,
-                 profile: bool = False, timer=None) -> List[Dict[str, Any]]:
+                 profile: int = 0, timer=None) -> List[Dict[str, Any]]:
     """Measure every candidate at every size case on the same inputs; one result per case. ``timer``: the
     device's own (``timer_for``) unless one is handed in.
 

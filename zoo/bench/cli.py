@@ -105,8 +105,9 @@ def build_parser(prog: str = "python -m zoo bench") -> argparse.ArgumentParser:
                    help="torch.compile's dynamic= (auto: true when the unit has dynamic dims, as the artifact "
                         "is compiled once for the whole range; otherwise torch's default)")
     p.add_argument("--rotary", action="store_true", help="also run the rotary-only microbenchmark")
-    p.add_argument("--profile", action="store_true",
-                   help="also list each candidate's top kernels by device time (CUDA profiler, after timing)")
+    p.add_argument("--profile", nargs="?", type=int, const=6, default=0, metavar="TOP",
+                   help="also list each candidate's device time by kind of kernel and its TOP kernels (default 6; "
+                        "CUDA profiler, after timing)")
     p.add_argument("--rotary-shape", action="append", default=[], metavar="B,L,H,D",
                    help="rotary case shape (repeatable; default: SmolLM2 at seq 2048 and a 16k-token 24x128 case)")
     p.add_argument("--device", default=None,
