@@ -25,7 +25,7 @@ from zoo.bench import roofline
 from zoo.bench.chunk import (POLICIES, TARGETS, check_passed, checked_here, policy_check, policy_source,
                              record_timings, refuse_unverified, say, time_candidates)
 from zoo.bench.chunk_tables import policy_check_section, ratio_lines, table_rows, write
-from zoo.bench.chunk_runners import floor_rows
+from zoo.bench.chunk_runners import floor_rows, split_rows
 from zoo.contract import chunk_latency
 from zoo.contract.recipes import load_recipe
 from zoo.contract.run_folder import RunFolder
@@ -191,6 +191,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(line)
         if results.get("rates"):
             print(format_table(floor_rows(results)))
+            if split_rows(results):
+                print(format_table(split_rows(results)))
         if args.record is not None:
             record_timings(results, args, command)
     for line in policy_check_section(results):

@@ -83,6 +83,26 @@ def test_a_pool_kept_under_its_input_name_goes_from_call_to_call_without_a_copy(
     assert torch.equal(pool.fetch(), torch.zeros(5, 4))
 
 
+def test_a_call_says_where_its_time_went(session):
+    (method, values, slots), = _calls(1, seed=3)
+    pool = session.zeros("pool", (5, 4), torch.float32)
+    session.call(method, [values, slots, pool], keep={1: "pool"})
+    split = session.last_call
+    # The fake runner reports 1.0 ms executing and 0.0 ms binding; the rest was measured around the pipe.
+    assert (split.execute, split.runtime_io) == (1.0, 0.0)
+    assert min(split.write, split.pipe, split.read) >= 0.0
+    assert split.total == pytest.approx(split.write + 1.0 + split.pipe + split.read)
+
+
+def test_the_pipe_is_the_round_trip_less_what_the_runner_reports():
+    # Sent at 10 ms, answered at 14.5 ms, of which the runner executed 3.0 ms and bound and copied 0.5 ms.
+    split = et_runtime._timing({"ms": 3.0, "io_ms": 0.5}, started=0.009, sent=0.010, answered=0.0145, done=0.0150)
+    assert split.write == pytest.approx(1.0) and split.read == pytest.approx(0.5)
+    assert (split.execute, split.runtime_io) == (3.0, 0.5) and split.pipe == pytest.approx(1.0)
+    # A runner that reports more than the round trip (clocks of two processes) gives no negative pipe.
+    assert et_runtime._timing({"ms": 5.0}, 0.0, 0.0, 0.001, 0.001).pipe == 0.0
+
+
 def test_a_value_the_next_call_would_free_is_copied_first(session):
     (m, v1, s1), (_, v2, s2) = _calls(2, seed=9)
     start = session.zeros("start", (5, 4), torch.float32)

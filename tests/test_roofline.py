@@ -101,6 +101,37 @@ def test_recorded_calls_leave_the_state_handed_back_out_of_the_bytes():
     assert floor["floor_ms"] == pytest.approx(rates.floor_ms(cost.bytes_moved, cost.flops))
 
 
+def test_a_backend_that_says_where_its_calls_went_gets_a_split_per_method():
+    from zoo.bench.chunk_runners import split_rows
+    from zoo.runtimes.executorch import CallTiming
+
+    class SplittingBackend(CountingBackend):
+        def call(self, method, **inputs):
+            self.last_call = CallTiming(write=0.1 * self.calls, execute=10.0, runtime_io=0.5, pipe=1.0, read=0.2)
+            return super().call(method, **inputs)
+
+    backend = SplittingBackend()
+    recorder = CallRecorder(backend, flops_of=lambda m, inputs: 1000, weights_of=lambda m: 0,
+                            state={"step": {"pool_next": "pool"}}, sync=lambda: None)
+    recorder.recording = True
+    with recorder:
+        for _ in range(3):
+            backend.call("step", x=torch.zeros(4), pool=torch.zeros(4))
+    row = next(iter(recorder.costs.values())).as_dict(Rates(copy_gbps=1.0, gemm_tflops=1.0))
+    # write was 0.0, 0.1 and 0.2 ms: its median 0.1; the other parts were the same every call.
+    assert row["split_ms"] == pytest.approx({"write": 0.1, "execute": 10.0, "runtime_io": 0.5, "pipe": 1.0,
+                                             "read": 0.2})
+    row["median_ms"] = 12.0
+    results = {"policies": [{"policy": "p", "candidates": {
+        "runner": {"roofline": {"methods": [{"method": "step", "median_ms": 10.5}]}},
+        "executorch": {"roofline": {"methods": [row]}}}}]}
+    header, line = split_rows(results)
+    assert header[:6] == ["policy", "candidate", "method", "runner ms", "median ms", "difference"]
+    assert line == ["p", "executorch", "step", "10.500", "12.000", "+1.500", "10.000", "0.500", "1.000", "0.100",
+                    "0.200"]
+    assert split_rows({"policies": [{"policy": "p", "candidates": {"runner": {}}}]}) == []
+
+
 def test_chunk_ratios_and_their_targets():
     candidates = {"runner": {"chunk_ms": {"median": 300.0}, "roofline": {"chunk": {"floor_ms": 200.0}}},
                   "executorch": {"chunk_ms": {"median": 309.0}}, "pytorch": {"chunk_ms": {"median": 600.0}},

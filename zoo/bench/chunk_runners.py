@@ -85,6 +85,33 @@ def floor_rows(results: Dict[str, Any]) -> List[List[str]]:
     return rows
 
 
+SPLIT_PARTS = (("execute", "execute"), ("runtime_io", "runtime I/O"), ("pipe", "pipe and files"),
+               ("write", "write inputs"), ("read", "read outputs"))
+
+
+def split_rows(results: Dict[str, Any]) -> List[List[str]]:
+    """Per candidate whose backend says where a call's time goes (``executorch``) and method: its median beside
+    the artifact runner's, and the median of each part (``zoo.runtimes.executorch.CallTiming``). Empty when no
+    candidate has a split."""
+    rows = [["policy", "candidate", "method", "runner ms", "median ms", "difference"]
+            + [label for _, label in SPLIT_PARTS]]
+    for r in results["policies"]:
+        candidates = r.get("candidates") or {}
+        runner = {m["method"]: m.get("median_ms") for m in ((candidates.get("runner") or {}).get("roofline") or {})
+                  .get("methods", [])}
+        for name, c in candidates.items():
+            for m in (c.get("roofline") or {}).get("methods", []):
+                split = m.get("split_ms")
+                if not split:
+                    continue
+                base, ms = runner.get(m["method"]), m.get("median_ms")
+                rows.append([r["policy"], name, m["method"], f"{base:.3f}" if base else "-",
+                             f"{ms:.3f}" if ms is not None else "-",
+                             f"{ms - base:+.3f}" if base and ms is not None else "-"]
+                            + [f"{split[key]:.3f}" for key, _ in SPLIT_PARTS])
+    return rows if len(rows) > 1 else []
+
+
 def chunk_floor_of(candidate: Dict[str, Any]) -> Optional[float]:
     """A timed candidate's chunk floor (ms), or None when its roofline was not worked out."""
     return (((candidate or {}).get("roofline") or {}).get("chunk") or {}).get("floor_ms")

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from zoo.bench.chunk import (CHECK_JSON_NAME, CHECK_MD_NAME, JSON_NAME, MD_NAME, TARGETS, fabricated_checkpoint)
-from zoo.bench.chunk_runners import chunk_floor_of, floor_rows
+from zoo.bench.chunk_runners import chunk_floor_of, floor_rows, split_rows
 from zoo.core import atomic
 from zoo.core.report import markdown_table
 
@@ -90,7 +90,20 @@ def roofline_section(results: Dict[str, Any]) -> List[str]:
             f"{rates['gemm']['dtype']} GEMM {rates['gemm_tflops']:.0f} TFLOP/s ({rates['gemm']['size']}^3). "
             "A call's floor is the larger of the bytes it must move (weights, inputs, outputs that are not state "
             "handed back) over the first and its FLOPs over the second (zoo.bench.roofline).", "",
-            markdown_table(floor_rows(results)), ""]
+            markdown_table(floor_rows(results)), ""] + split_section(results)
+
+
+def split_section(results: Dict[str, Any]) -> List[str]:
+    """Where a call on ExecuTorch's runtime spends the time the artifact runner does not (empty without one)."""
+    rows = split_rows(results)
+    if not rows:
+        return []
+    return ["## A call on ExecuTorch's runtime, part by part", "",
+            "Each part is a median over the recorded calls: the runtime executing the method to a device "
+            "synchronisation, the runtime binding inputs and taking outputs, the pipe and hand-over files between "
+            "the two processes, and the Python session writing inputs and reading outputs "
+            "(zoo.runtimes.executorch.CallTiming). The parts' medians need not add up to the call's.", "",
+            markdown_table(rows), ""]
 
 
 def policy_check_section(results: Dict[str, Any]) -> List[str]:

@@ -14,7 +14,7 @@ roofline"), so the floor is what this GPU can do, not a data sheet.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import torch
@@ -120,14 +120,19 @@ class CallCost:
     flops: int
     calls: int = 0
     ms: List[float] = field(default_factory=list)
+    # Per call, where a backend that can say put its time (the executorch backend's CallTiming).
+    splits: List[Any] = field(default_factory=list)
 
     def as_dict(self, rates: Rates) -> Dict[str, Any]:
         stats = Stats.from_samples(self.ms) if self.ms else None
         floor = rates.floor_ms(self.bytes_moved, self.flops)
-        out = {k: v for k, v in asdict(self).items() if k != "ms"}
+        out = {k: v for k, v in asdict(self).items() if k not in ("ms", "splits")}
         out.update(floor_ms=floor, bound=rates.bound(self.bytes_moved, self.flops),
                    median_ms=stats.median if stats else None,
                    ratio=(stats.median / floor) if stats and floor else None)
+        if self.splits:
+            parts = [f.name for f in fields(self.splits[0])]
+            out["split_ms"] = {p: Stats.from_samples([getattr(s, p) for s in self.splits]).median for p in parts}
         return out
 
 
@@ -169,6 +174,9 @@ class CallRecorder:
             cost = self.costs[key] = CallCost(method, moved, self.flops_of(method, ordered))
         cost.calls += 1
         cost.ms.append(ms)
+        split = getattr(self.backend, "last_call", None)
+        if split is not None:
+            cost.splits.append(split)
         return outs
 
 

@@ -57,6 +57,11 @@ class Backend:
         values where the methods run hands the same one back while its content stays the same."""
         return tensor.to(self.device)
 
+    @property
+    def last_call(self) -> Any:
+        """Where the last call's time went, for a backend that can say (``executorch``: a ``CallTiming``)."""
+        return None
+
     def method_io(self, method: str) -> MethodIo:
         methods = self.io_spec.methods
         if method not in methods:
@@ -200,6 +205,10 @@ class ExecuTorchBackend(Backend):
 
     def zeros(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> DeviceValue:
         return self.session.zeros(name, shape, dtype)
+
+    @property
+    def last_call(self) -> Any:
+        return self.session.last_call if self.session is not None else None
 
     def hold(self, name: str, tensor: torch.Tensor) -> DeviceValue:
         # Uploaded once and passed by name while equal: a host input otherwise goes through a tensor file and a

@@ -131,6 +131,25 @@ class PlanResult:
     replies: List[Dict[str, Any]] = field(default_factory=list)  # each call's reply (rescued, host_copies, device)
 
 
+@dataclass(frozen=True)
+class CallTiming:
+    """Where one ``RuntimeSession.call``'s time went, in ms: writing its host inputs' files (``write``), the runner
+    executing the method up to a device synchronisation (``execute``, as zoo_runner reports it), the runner
+    binding inputs and taking outputs (``runtime_io``: host-to-device copies, device-to-host copies of host
+    outputs), everything else between the command and its reply (``pipe``: the pipe, the runner reading and
+    writing the hand-over files, its JSON reply), and reading the output files back (``read``)."""
+
+    write: float
+    execute: float
+    runtime_io: float
+    pipe: float
+    read: float
+
+    @property
+    def total(self) -> float:
+        return self.write + self.execute + self.runtime_io + self.pipe + self.read
+
+
 class DeviceValue:
     """A tensor a RuntimeSession's runner holds under a name (on the GPU when it has one): pass it as an input of a
     later call; ``fetch()`` copies it to a CPU tensor. Only the newest value of a name is valid."""
@@ -180,6 +199,7 @@ class RuntimeSession:
         self._calls = 0
         self._versions: Dict[str, int] = {}  # name -> the newest version the runner holds
         self.stats = {"calls": 0, "rescued": 0, "host_copies": 0}
+        self.last_call: Optional[CallTiming] = None
         self.summary: Dict[str, Any] = {}
         cmd = [str(self.executable), "--model", str(self.pte), "--plan", "-", "--outputs", str(self.work_dir / "out")]
         if self.ptd is not None:
@@ -292,12 +312,15 @@ class RuntimeSession:
             if not _NAME.fullmatch(name):
                 raise RuntimeCallFailed(f"{name!r} is not a name the runner takes ([A-Za-z0-9_.-]+)", "rename it")
         files = [self.work_dir / "in" / f"{n}.{i}.zt" for i in range(len(inputs))]
+        started = time.perf_counter()
         tokens = [self._token(v, path) for v, path in zip(inputs, files)]
         line = " ".join([method] + tokens)
         if keep:
             count = len(self.ready_outputs(method)) or (max(keep) + 1)
             line += " -> " + " ".join(f"keep:{keep[k]}" if k in keep else "host" for k in range(count))
+        sent = time.perf_counter()
         reply = self._send(line, f"running {method} (call {n})")
+        answered = time.perf_counter()
         for path in files:
             path.unlink(missing_ok=True)  # values held by name wrote no file
         self.stats["calls"] += 1
@@ -311,6 +334,7 @@ class RuntimeSession:
             elif path is not None:
                 outputs.append(read_tensor(path))
                 Path(path).unlink()
+        self.last_call = _timing(reply, started, sent, answered, time.perf_counter())
         return outputs
 
     def ready_outputs(self, method: str) -> List[bool]:
@@ -389,6 +413,13 @@ class RuntimeSession:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _timing(reply: Mapping[str, Any], started: float, sent: float, answered: float, done: float) -> CallTiming:
+    execute, runtime_io = float(reply.get("ms") or 0.0), float(reply.get("io_ms") or 0.0)
+    round_trip = (answered - sent) * 1e3
+    return CallTiming(write=(sent - started) * 1e3, execute=execute, runtime_io=runtime_io,
+                      pipe=max(0.0, round_trip - execute - runtime_io), read=(done - answered) * 1e3)
 
 
 class MethodRunner:
