@@ -28,8 +28,8 @@ from zoo.policies.lingbot_va.recipe import validate_recipe  # noqa: E402
 from zoo.runner.slots import HostSlotAllocator  # noqa: E402
 from zoo.contract.recipes import load_recipe  # noqa: E402
 
-from support.lingbot_va_tiny import (RECIPE, fabricated_hub as _fabricated_hub, lerobot_sequence,  # noqa: E402
-                                     lingbot_va, step_inputs as _step_inputs)
+from support.lingbot_va_tiny import (RECIPE, TEXT_EMB_STEPS, fabricated_hub as _fabricated_hub,  # noqa: E402
+                                     lerobot_sequence, lingbot_va, step_inputs as _step_inputs)
 
 LAYOUTS = ("io", "buffer")
 
@@ -54,16 +54,18 @@ def build(hub, checkpoint, recipe):
 def two_head_unit(tmp_path_factory):
     cache, checkpoint, _ = _fabricated_hub(tmp_path_factory.mktemp("lingbot_hub_2h"), TWO_HEADS)
     with hub_environment(cache, offline=True):
-        return lingbot_va.build_unit(checkpoint, load_recipe(RECIPE, TWO_HEADS))
+        return lingbot_va.build_unit(checkpoint, load_recipe(RECIPE, TWO_HEADS + TEXT_EMB_STEPS))
 
 
 @pytest.fixture(scope="module")
 def units(hub):
+    """The recipe's units in both pool layouts, with DiT steps that take the prompt's embedding (LeRobot's own
+    transformer call; the steps that take prompt_kv's K/V instead: test_lingbot_va_prompt_kv.py)."""
     cache, checkpoint, _ = hub
     built = {}
     with hub_environment(cache, offline=True):
         for layout in LAYOUTS:
-            recipe = load_recipe(RECIPE, [f"lowering.kv_pool={layout}"])
+            recipe = load_recipe(RECIPE, [f"lowering.kv_pool={layout}"] + TEXT_EMB_STEPS)
             built[layout] = lingbot_va.build_unit(checkpoint, recipe)
     return built
 
@@ -224,7 +226,10 @@ def test_real_recipe_states_the_sizes_of_its_policy_config_and_the_tiny_one_keep
 
 def test_unit_shapes_and_host_settings_follow_the_checkpoint(units):
     unit = units["io"]
-    # The recipe's four methods: the streaming VAE encode (first call, later calls) and one DiT step per stream.
+    # The recipe's five methods: the prompt's cross-attention K/V, the streaming VAE encode (first call, later
+    # calls) and one DiT step per stream; these units leave prompt_kv out (the fixture says why).
+    assert load_recipe(RECIPE).unit.methods == ["prompt_kv", "vae_encode_first", "vae_encode", "video_step",
+                                                "action_step"]
     assert list(unit.methods) == ["vae_encode_first", "vae_encode", "video_step", "action_step"]
     settings = unit.host_settings
     json.dumps(settings.to_json())  # must be plain JSON
@@ -320,7 +325,7 @@ def test_unit_matches_lerobot_stateful_calls_over_a_sequence(units, layout, requ
 
 
 def test_bf16_unit_is_cast_as_lerobot_casts_and_matches_its_eager_calls(hub):
-    recipe = load_recipe(RECIPE, ["unit.dtype=bfloat16"])
+    recipe = load_recipe(RECIPE, ["unit.dtype=bfloat16"] + TEXT_EMB_STEPS)
     unit = build(hub, hub[1], recipe)
     eager = unit.reference()
     # LingBotVAPolicy casts the whole transformer, fp32-kept modules included (modeling_lingbot_va.py:95).

@@ -24,6 +24,7 @@ from zoo.runner import PromptEmbedding, RunnerError, load  # noqa: E402
 from zoo.runner.check import ProcessedPolicy, compare_episode, run_episode  # noqa: E402
 from zoo.export.tiny_hub import fabricated_hub  # noqa: E402
 from support import shared_runs  # noqa: E402
+from support.lingbot_va_tiny import TEXT_EMB_STEPS  # noqa: E402
 
 
 lingbot_va = pytest.importorskip("zoo.policies.lingbot_va.unit")
@@ -131,25 +132,37 @@ def test_prompt_without_negative_is_refused_under_cfg(run, prompt_file, observat
         runner.select_action(observations[0])
 
 
-PROMPT_KV = ["unit.methods=[prompt_kv,vae_encode_first,vae_encode,video_step,action_step]"]
-
-
-def test_a_run_that_makes_the_prompts_k_v_once_matches_lerobot(shared_cache, prompt_file, observations, expected):
-    """The same policy check on a run whose DiT steps take the prompt's cross-attention K/V from a ``prompt_kv``
-    method: the actions still match LeRobot's, which computes them in every call, and the runner makes them once
-    for the episode."""
-    exported = shared_runs.tiny_run(shared_cache, TINY, PROMPT_KV, label="prompt-kv")
-    exported.check_exported()
-    steps = RunFolder(exported.path).read_io_spec().methods["action_step"]
-    assert {"text_k", "text_v"} <= {s.name for s in steps.inputs} and "text_emb" not in {s.name for s in steps.inputs}
-    runner = runner_for(exported.path, prompt_file)
+def _episode_calls(run_dir, prompt_file, observations, expected):
+    """The policy check of one episode on ``run_dir``, and the methods the runner called, in order."""
+    runner = runner_for(run_dir, prompt_file)
     calls = []
     call = runner.backend.call
     runner.backend.call = lambda method, **inputs: calls.append(method) or call(method, **inputs)
     result = compare_episode(runner, expected, observations, seed=0)
     assert [(r.chunk, r.steps) for r in result.rows] == [(1, 12), (2, 16), (3, 16), (4, 1)], result.table()
     assert result.ok, result.table()
+    return calls
+
+
+def test_the_recipe_makes_the_prompts_k_v_once_an_episode(run, prompt_file, observations, expected):
+    """The recipe's DiT steps take the prompt's cross-attention K/V from ``prompt_kv``: the actions match LeRobot's,
+    which computes them in every call, and the runner makes them once for the episode."""
+    steps = RunFolder(run[0]).read_io_spec().methods["action_step"]
+    assert {"text_k", "text_v"} <= {s.name for s in steps.inputs} and "text_emb" not in {s.name for s in steps.inputs}
+    calls = _episode_calls(run[0], prompt_file, observations, expected)
     assert calls.count("prompt_kv") == 1 and calls.count("action_step") > 20, sorted(set(calls))
+
+
+def test_a_run_whose_steps_take_the_prompt_embedding_matches_lerobot(shared_cache, prompt_file, observations,
+                                                                     expected):
+    """Without prompt_kv the DiT steps take the prompt's embedding and compute its K/V in every call, as LeRobot's
+    transformer does: the same actions, and no prompt_kv call."""
+    exported = shared_runs.tiny_run(shared_cache, TINY, TEXT_EMB_STEPS, label="text-emb")
+    exported.check_exported()
+    steps = RunFolder(exported.path).read_io_spec().methods["action_step"]
+    assert "text_emb" in {s.name for s in steps.inputs} and "text_k" not in {s.name for s in steps.inputs}
+    calls = _episode_calls(exported.path, prompt_file, observations, expected)
+    assert "prompt_kv" not in calls and calls.count("action_step") > 20, sorted(set(calls))
 
 
 def test_executorch_backend_keeps_the_kv_pool_and_vae_caches_in_the_runtime(run, prompt_file, observations, expected,

@@ -18,6 +18,9 @@ from zoo.policies import load_family
 
 lingbot_va = load_family("lingbot_va")
 RECIPE = "lingbot-va-tiny"
+# The recipe's methods without prompt_kv: DiT steps that take the prompt's UMT5 embedding and compute its
+# cross-attention K/V in every call, as LeRobot's transformer does (the recipe hoists them into prompt_kv).
+TEXT_EMB_STEPS = ["unit.methods=[vae_encode_first,vae_encode,video_step,action_step]"]
 
 
 def fabricated_hub(root: Path, overrides=()):
