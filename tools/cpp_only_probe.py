@@ -2,7 +2,7 @@
 """What AOTInductor's ``package_cpp_only`` route leaves to the target machine: a small module compiled with
 ``aot_inductor.package_cpp_only=True`` on this machine, and what its generated CMake project needs to build.
 
-    python tools/cpp_only_probe.py [--keep DIR]
+    python tools/cpp_only_probe.py
 
 The route would let a Jetson build the ``.so`` from C++ without running Inductor itself. This prints, read from
 the package: the files it holds, the packages ``find_package`` asks for, the libraries it links, the compile
@@ -18,7 +18,6 @@ import platform
 import re
 import struct
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -35,12 +34,12 @@ def elf_machine(data: bytes) -> str:
     return ELF_MACHINES.get(machine, f"e_machine {machine:#x}")
 
 
-def build_package(folder: Path) -> Path:
+def build_package() -> Path:
+    """The package of a small module, where torch puts it (a temporary file)."""
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
     program = torch.export.export(model, (torch.randn(2, 8),))
     return Path(torch._inductor.aoti_compile_and_package(
-        program, package_path=str(folder / "probe.pt2"),
-        inductor_configs={"aot_inductor.package_cpp_only": True}))
+        program, inductor_configs={"aot_inductor.package_cpp_only": True}))
 
 
 def describe(package: Path) -> None:
@@ -59,13 +58,11 @@ def describe(package: Path) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--keep", type=Path, default=None, help="write the package here (default: a temp folder)")
-    args = parser.parse_args(argv)
-    folder = args.keep or Path(tempfile.mkdtemp(prefix="zoo-cpp-only-"))
-    folder.mkdir(parents=True, exist_ok=True)
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     print(f"torch {torch.__version__}, this machine: {platform.machine()}")
-    describe(build_package(folder))
+    package = build_package()
+    print(f"package: {package}")
+    describe(package)
     return 0
 
 
