@@ -1,5 +1,5 @@
-"""zoo's imports run one way, by folder: core -> contract -> deploy (runner, runtimes) -> export -> the export
-line (pipeline) -> command lines; the deploy side imports nothing of the exporter. Read with ``ast`` from the source (nothing is imported), so a circle that only shows at run time, behind an
+"""zoo's imports run one way, by folder: core (and kernels, the custom ops beside it) -> contract -> deploy (runner,
+runtimes) -> export -> the export line (pipeline) -> command lines; the deploy side imports nothing of the exporter. Read with ``ast`` from the source (nothing is imported), so a circle that only shows at run time, behind an
 import inside a function, is found too:
   - no import circle among zoo's modules;
   - no import of a zoo module inside a function body, except the ones listed below, each with its reason;
@@ -42,7 +42,7 @@ def layer_of(module: str) -> Optional[int]:
     if parts[-1] == "__main__":  # ``python -m zoo.export``: a command line wherever its package is
         return 5
     top = parts[1]
-    if top == "core":
+    if top in ("core", "kernels"):
         return 0
     if top == "contract" or module == "zoo.policies" or (top == "policies" and parts[-1] == "options") \
             or (top == "policies" and len(parts) == 3 and (ZOO / "policies" / parts[2]).is_dir()):
@@ -57,7 +57,7 @@ def layer_of(module: str) -> Optional[int]:
 # What the deploy side may import, beyond itself: a deployment needs the runner, the artifact readers and a
 # runtime, nothing of the exporter.
 DEPLOY = ("zoo.runner", "zoo.runtimes")
-DEPLOY_MAY_IMPORT = ("zoo.core", "zoo.contract", "zoo.runner", "zoo.runtimes", "zoo.policies")
+DEPLOY_MAY_IMPORT = ("zoo.core", "zoo.kernels", "zoo.contract", "zoo.runner", "zoo.runtimes", "zoo.policies")
 
 # The folders of programs around the package: each file runs as a program, with zoo installed.
 PROGRAM_FOLDERS = ("scripts", "benchmarks", "tools")

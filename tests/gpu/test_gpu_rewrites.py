@@ -1,6 +1,7 @@
 """On a CUDA machine: programs that ExecuTorch 1.2.0's CUDA backend cannot take as exported lower and verify
-once zoo's rewrites have run (attention that executorch's Triton SDPA computes wrong among them), and the kernel
-preflight refuses an int64 scatter_add_ before compiling.
+once zoo's rewrites have run (attention that executorch's Triton SDPA computes wrong among them), the kernel
+preflight refuses an int64 scatter_add_ before compiling, and zoo's split-KV attention (the op against float64
+math, and lowered with its Triton kernels compiled into the .so).
 
 Each case exports on the CPU, applies the named rewrites, lowers with the real CudaPartitioner, takes the .so
 and weights out of the written model.pte / aoti_cuda_blob.ptd, runs them through torch's AOTI runner and
@@ -150,3 +151,58 @@ def test_int64_scatter_add_is_refused_by_the_preflight_before_compiling(tmp_path
     with pytest.raises(LoweringError, match="aoti_torch_cuda_scatter_reduce_two_out"):
         lower_to_pte({"forward": ep}, tmp_path, _recipe("OFF"))
     assert not (tmp_path / PTE_NAME).exists()
+
+
+# --------------------------------------------------------------------------------------------- split-KV attention
+
+
+class PoolAttention(nn.Module):
+    """LingBot-VA's pool attention: [B, L, H, D] tensors transposed into SDPA, one visibility mask for every
+    query, batch and head."""
+
+    def forward(self, q, k, v, visible):
+        mask = visible[None, None, None, :].expand(q.shape[0], 1, q.shape[1], visible.shape[0])
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                               v.transpose(1, 2), attn_mask=mask)
+        return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
+
+
+def pool_inputs(dtype, q_len=16, slots=2160, heads=4, seed=12):
+    """A pool early in an episode: the first third of its slots and a scattered tenth of the rest unfilled."""
+    gen = g(seed)
+    q, k, v = (torch.randn(2, n, heads, 128, generator=gen).to(dtype) for n in (q_len, slots, slots))
+    visible = torch.rand(slots, generator=gen) > 0.1
+    visible[: slots // 3] = False
+    return q, k, v, visible
+
+
+def rel_l2(got, want):
+    return float((got.double() - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("q_len", [1, 16, 128])
+def test_split_kv_attention_on_cuda_against_float64_math(dtype, q_len):
+    from zoo.kernels import SPLIT_KV_ATTENTION, runs_kernel
+
+    q, k, v, visible = (t.cuda() for t in pool_inputs(dtype, q_len))
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    mask = visible[None, None, None, :].expand(2, 1, q_len, visible.shape[0])
+    k[:, :, ~visible], v[:, :, ~visible] = float("nan"), float("nan")  # a read of a hidden slot shows as NaN
+    assert runs_kernel(q, k, v, mask)
+    got = SPLIT_KV_ATTENTION(q, k, v, mask)
+    kv = visible.nonzero().squeeze(1)
+    want = torch.softmax(q.double() @ k[:, :, kv].double().transpose(-2, -1) / 128 ** 0.5, -1) @ v[:, :, kv].double()
+    with torch.no_grad():  # torch's own SDPA in the same dtype, over the live slots only
+        eager = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, kv], v[:, :, kv])
+    assert torch.isfinite(got).all() and got.dtype == dtype and got.stride() == torch.empty_like(q).stride()
+    assert rel_l2(got, want) <= max(2 * rel_l2(eager, want), 4e-3), (rel_l2(got, want), rel_l2(eager, want))
+
+
+def test_pool_attention_lowers_with_the_split_kv_kernel_compiled_in(tmp_path):
+    inputs = list(pool_inputs(torch.bfloat16))
+    # bf16 against torch's own bf16 SDPA run eagerly: both round to bf16.
+    lower_and_compare(PoolAttention(), inputs, ["replace_sdpa_with_split_kv_attention"], tmp_path, triton="ON",
+                      bound=2e-2)
+    so_files = list((tmp_path / "so").glob("*.so"))
+    assert so_files and any(b"_split_kv_attention_partial" in f.read_bytes() for f in so_files)

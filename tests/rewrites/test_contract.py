@@ -104,6 +104,23 @@ class WideAttention(nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=self.gqa) * 1
 
 
+class MaskedAttention(nn.Module):
+    """Attention under a boolean key mask; ``dropout`` makes it one an inference program must not hold."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q, k, v, visible):
+        mask = visible[None, None, None, :].expand(q.shape[0], 1, q.shape[2], visible.shape[0])
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout) * 1
+
+
+def masked_attention() -> Tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    return (*(torch.randn(1, 2, n, 64, generator=g) for n in (4, 70, 70)), torch.rand(70, generator=g) > 0.3)
+
+
 def wide_attention(hq: int, hkv: int) -> Tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
     return tuple(torch.randn(1, h, 5, 320, generator=g) for h in (hq, hkv, hkv))
@@ -166,6 +183,9 @@ def declines() -> Dict[str, Callable[[], ExportedProgram]]:
         "split_float64_constants": lambda: exported(MutatedFloat64(), torch.randn(4)).program,
         # 2 key heads do not divide 3 query heads
         "replace_fused_sdpa_with_sdpa": lambda: exported(Flash(), *attention(3, 2)).program,
+        # attention with dropout, which an inference program must not hold
+        "replace_sdpa_with_split_kv_attention": lambda: exported(MaskedAttention(dropout=0.1),
+                                                                 *masked_attention()).program,
         # grouped-query attention with a wide head: not written out
         "replace_triton_unsafe_sdpa_with_math": lambda: exported(WideAttention(gqa=True), *wide_attention(4, 2)).program,
         # a joint program, where detach decides which gradients flow
@@ -186,6 +206,7 @@ def changes() -> Dict[str, Callable[[], Case]]:
         "narrow_float64": lambda: exported(Float64Table(), torch.randn(4)),
         "split_float64_constants": lambda: exported(Float64Table(), torch.randn(4)),
         "replace_fused_sdpa_with_sdpa": lambda: exported(Flash(), *attention(2, 2)),
+        "replace_sdpa_with_split_kv_attention": lambda: exported(MaskedAttention(), *masked_attention()),
         "replace_triton_unsafe_sdpa_with_math": lambda: exported(WideAttention(), *wide_attention(2, 2)),
         "replace_detach_with_alias": lambda: exported(Detaching(), torch.randn(3, 4)),
         "replace_view_copies": lambda: exported(Split(), torch.randn(3, 4)),

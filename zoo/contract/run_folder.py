@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.export import ExportedProgram
 
+import zoo.kernels  # noqa: F401  registers zoo's custom ops, which a saved program may call (read_program)
 from zoo.core import atomic
 from zoo.contract.artifact import PTD_NAME, PTE_NAME, so_file_name, weights_file_name
 from zoo.contract.host_settings import HostSettings, host_settings_from_json
@@ -71,7 +72,8 @@ _STAGING_NAME = re.compile(r"\.(?P<run>.+)\.partial-\d+")
 
 
 def read_program(path: Path) -> ExportedProgram:
-    """A saved program; a missing, truncated or foreign file is a clear error, not torch's traceback."""
+    """A saved program; a missing, truncated or foreign file is a clear error, not torch's traceback. zoo's
+    custom ops (``zoo.kernels``, which a rewrite may have put in) are registered by this module's import."""
     if not path.is_file():
         raise LoweringError(f"{path} is missing",
                             "export the recipe again (`python -m zoo.export RECIPE`); it saves every method's programs")

@@ -20,21 +20,24 @@ from zoo.rewrites.fused_sdpa import replace_fused_sdpa_with_sdpa
 from zoo.rewrites.narrow_float64 import narrow_float64
 from zoo.rewrites.output_safety import make_outputs_safe
 from zoo.rewrites.result import RewriteResult
+from zoo.rewrites.split_kv_attention import replace_sdpa_with_split_kv_attention
 from zoo.rewrites.view_copies import replace_view_copies
 from zoo.rewrites.triton_unsafe_sdpa import replace_triton_unsafe_sdpa_with_math
 
 # The order the pipeline applies them in, whatever order a recipe lists them in: autocast regions are inlined
 # first so that the complex rewrite sees the rope ops they hide; float64 is narrowed (float32 pairs) or its
 # constants split (float64 pairs) after the complex rewrite has turned complex128 into real pairs; outputs are
-# made safe last, after every other rewrite has settled them. Attention that executorch's Triton SDPA gets wrong is
-# written out after the fused kernels have become SDPA nodes, so that those are judged too. Every registered rewrite
-# appears once (tests/rewrites/test_contract.py checks it).
+# made safe last, after every other rewrite has settled them. SDPA nodes become zoo's split-KV attention (opt-in)
+# after the fused kernels have become SDPA nodes, and before attention that executorch's Triton SDPA gets wrong is
+# written out, so that the kernel takes every attention it computes and the write-out only what is left. Every
+# registered rewrite appears once (tests/rewrites/test_contract.py checks it).
 DEFAULT_ORDER: Tuple[str, ...] = (
     "inline_autocast_regions",
     "replace_complex_with_real",
     "narrow_float64",
     "split_float64_constants",
     "replace_fused_sdpa_with_sdpa",
+    "replace_sdpa_with_split_kv_attention",
     "replace_triton_unsafe_sdpa_with_math",
     "replace_detach_with_alias",
     "replace_view_copies",

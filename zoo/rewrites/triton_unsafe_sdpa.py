@@ -17,7 +17,7 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 from zoo.rewrites.graph import (Declined, aten, calls, copy_program, decline_on_failure, finish, graph_modules_under,
-                    insert_call, op_name, require_program, rewriting, same_size, schema_get)
+                    insert_call, op_name, require_program, rewriting, same_layout, same_size, schema_get)
 from zoo.rewrites.registry import rewrite
 from zoo.rewrites.result import RewriteResult
 
@@ -122,13 +122,6 @@ def _write_out(node: Node, bound: Dict[str, Any]) -> None:
     graph.erase_node(node)
 
 
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same shape, and the same strides wherever a dimension holds more than one element (a size-1 dimension's
-    stride is never read)."""
-    return a.dim() == b.dim() and all(same_size(x, y) for x, y in zip(a.shape, b.shape)) and all(
-        same_size(sa, sb) for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if not same_size(n, 1))
-
-
 def _laid_out_like(node: Node, product: Node, dtype: torch.dtype, call) -> Node:
     """``product`` copied into ``dtype`` with the memory layout of ``node``'s output.
 
@@ -139,7 +132,7 @@ def _laid_out_like(node: Node, product: Node, dtype: torch.dtype, call) -> Node:
     from torch.fx.experimental.symbolic_shapes import size_hint  # sympy: loaded by any program with symbols
 
     want = node.meta["val"]
-    # Outermost first, by the strides' example values (no guard is added); _same_layout checks the result.
+    # Outermost first, by the strides' example values (no guard is added); same_layout checks the result.
     order = sorted(range(want.dim()), key=lambda d: -size_hint(want.stride(d)))
     inverse = [order.index(d) for d in range(want.dim())]
     permuted = product if order == sorted(order) else call(aten.permute.default, product, order)
@@ -147,7 +140,7 @@ def _laid_out_like(node: Node, product: Node, dtype: torch.dtype, call) -> Node:
         if product.meta["val"].dtype != dtype else call(aten.clone.default, permuted,
                                                         memory_format=torch.contiguous_format)
     out = copied if order == sorted(order) else call(aten.permute.default, copied, inverse)
-    if not _same_layout(out.meta["val"], want):
+    if not same_layout(out.meta["val"], want):
         raise Declined(node, f"its written-out output would be laid out as {tuple(out.meta['val'].stride())}, "
                              f"not {tuple(want.stride())} as the nodes after it were traced on")
     return out

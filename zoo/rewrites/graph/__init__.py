@@ -12,7 +12,8 @@ from zoo.rewrites.graph.programs import (GraphBuilder, copy_program, finish, pri
                                          replace_state, state_location, state_tensor, state_writer)
 from zoo.rewrites.graph.values import (PROVENANCE_KEYS, VALUE_META_KEYS, fake_eval, fake_mode_of,
                                        inherit_provenance, insert_call, no_autocast, node_value, same_dtypes,
-                                       same_size, same_tensor_meta, same_value_meta, set_value, tensors_in)
+                                       same_layout, same_size, same_tensor_meta, same_value_meta, set_value,
+                                       tensors_in)
 
 __all__ = [
     "Declined", "aten", "calls", "decline_on_failure", "fetch_attr", "getitem_users", "graph_modules_under",
@@ -21,6 +22,6 @@ __all__ = [
     "GraphBuilder", "copy_program", "finish", "private_copy", "rebuild_program", "replace_state", "state_location",
     "state_tensor", "state_writer",
     "PROVENANCE_KEYS", "VALUE_META_KEYS", "fake_eval", "fake_mode_of", "inherit_provenance", "insert_call",
-    "no_autocast", "node_value", "same_dtypes", "same_size", "same_tensor_meta", "same_value_meta", "set_value",
-    "tensors_in",
+    "no_autocast", "node_value", "same_dtypes", "same_layout", "same_size", "same_tensor_meta", "same_value_meta",
+    "set_value", "tensors_in",
 ]

@@ -50,6 +50,13 @@ def same_size(a: Any, b: Any) -> bool:
     return bool(statically_known_true(a == b))
 
 
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, and the same strides wherever a dimension holds more than one element (a size-1 dimension's
+    stride is never read), provably."""
+    return a.dim() == b.dim() and all(same_size(x, y) for x, y in zip(a.shape, b.shape)) and all(
+        same_size(sa, sb) for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if not same_size(n, 1))
+
+
 def same_tensor_meta(a: torch.Tensor, b: torch.Tensor, strides: bool = True) -> bool:
     """Same dtype, device, shape and (optionally) strides and storage offset, provably: downstream fake values
     would not change."""
