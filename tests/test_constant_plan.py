@@ -100,16 +100,25 @@ class Counter(nn.Module):
         return self.u.shared(x) * self.u.scale
 
 
-def test_mutated_buffers_and_conflicting_values_stay_private():
+def test_conflicting_values_stay_private_and_a_mutated_buffer_is_planned_as_state():
+    """A buffer a method writes is the unit's state, one tensor for every method that holds it (as in eager
+    PyTorch): planned like a weight, so that a runtime sharing constants by name shares it; it stays private only
+    where its values differ, as any constant does."""
     unit, other = Unit(), Unit()
     with torch.no_grad():
         other.head_a.weight.mul_(2.0)
     progs = {"a": torch.export.export(A(unit), (X,)), "count": torch.export.export(Counter(unit, 1.0), (X,)),
              "a2": torch.export.export(A(other), (X,))}
     plan = constant_plan.plan_constants(progs)
-    assert "u.scale" not in plan.fqns() and "mutated by count" in plan.private["u.scale"]
+    by = {c.fqn: c for c in plan.constants}
+    assert by["u.scale"].mutated_by == ["count"] and by["u.scale"].methods == ["a", "count", "a2"]
+    assert by["u.shared.0.weight"].mutated_by == []
     assert "u.head_a.weight" not in plan.fqns() and "different values" in plan.private["u.head_a.weight"]
     assert "u.shared.0.weight" in plan.fqns() and "u.head_a.bias" in plan.fqns()
+    with torch.no_grad():
+        other.scale.add_(1.0)  # the state starts elsewhere in a2: not one state, so not shared
+    progs["a2"] = torch.export.export(A(other), (X,))
+    assert "different values" in constant_plan.plan_constants(progs).private["u.scale"]
 
 
 def test_values_come_from_each_methods_program_and_a_missing_one_is_an_error():

@@ -36,6 +36,9 @@ class PlannedConstant:
     shape: List[int]
     nbytes: int  # the storage's bytes: what the blob holds for it on a GPU
     methods: List[str]  # the methods whose graphs read it
+    # the methods that write it in place (a buffer that is state, e.g. a KV pool in the "buffer" layout): its
+    # value in the blob is the state's start, and a runtime that shares constants by name shares the state
+    mutated_by: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -81,29 +84,25 @@ def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def plan_constants(programs: Mapping[str, ExportedProgram]) -> ConstantPlan:
     """The constants that every method's ``.so`` should carry, in one order: each constant some method's graph
-    reads, in the order the methods (then their signatures) first read it; without buffers a method mutates
-    and names whose values differ between methods (those stay each method's own, listed in ``private``)."""
-    mutated: Dict[str, str] = {}
-    for method, program in programs.items():
-        placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-        for spec in program.graph_signature.input_specs:
-            node = placeholders.get(getattr(spec.arg, "name", None))
-            if spec.kind in _STATE_KINDS and node is not None and state_writer(program, spec, node) is not None:
-                mutated.setdefault(spec.target, method)
+    reads, in the order the methods (then their signatures) first read it; without names whose values differ
+    between methods (those stay each method's own, listed in ``private``).
+
+    A buffer a method writes in place is state, and it is planned like a weight: the methods of one unit that
+    hold a buffer under one name hold one tensor in eager PyTorch (LingBot-VA's KV pool in the "buffer" layout),
+    and a runtime that shares constants by name (ExecuTorch's ``weight_sharing_across_methods``, zoo.runner's
+    backends) gives them one copy only when their constant tables are the same."""
+    mutated = _mutated_by(programs)
     planned: Dict[str, PlannedConstant] = {}
     values: Dict[str, torch.Tensor] = {}
     private: Dict[str, str] = {}
     for method, program in programs.items():
         for fqn, kind, value in _read_state(program):
-            if fqn in mutated:
-                private[fqn] = f"buffer mutated by {mutated[fqn]}: each method keeps its own state"
-                continue
             if fqn in private:
                 continue
             if fqn not in planned:
                 planned[fqn] = PlannedConstant(fqn=fqn, kind=kind, dtype=str(value.dtype).replace("torch.", ""),
                                                shape=list(value.shape), nbytes=_storage_bytes(value),
-                                               methods=[method])
+                                               methods=[method], mutated_by=mutated.get(fqn, []))
                 values[fqn] = value
             elif _same_value(values[fqn], value):
                 planned[fqn].methods.append(method)
@@ -126,6 +125,18 @@ def plan_constants(programs: Mapping[str, ExportedProgram]) -> ConstantPlan:
                 continue
             del planned[fqn], values[fqn]
     return ConstantPlan(constants=list(planned.values()), private=private)
+
+
+def _mutated_by(programs: Mapping[str, ExportedProgram]) -> Dict[str, List[str]]:
+    """Each state tensor some method writes in place: its name -> the methods that write it."""
+    mutated: Dict[str, List[str]] = {}
+    for method, program in programs.items():
+        placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+        for spec in program.graph_signature.input_specs:
+            node = placeholders.get(getattr(spec.arg, "name", None))
+            if spec.kind in _STATE_KINDS and node is not None and state_writer(program, spec, node) is not None:
+                mutated.setdefault(spec.target, []).append(method)
+    return mutated
 
 
 def _storage_bytes(value: torch.Tensor) -> int:
