@@ -210,3 +210,20 @@ def test_one_method_extracted_alone_is_the_same_bytes(lowered, tmp_path):
     assert alone["b"]["weights"].read_bytes() == Path(full["weights"]).read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != artifact.EXTRACTED_JSON) == sorted(
         [alone["b"]["so"].name, alone["b"]["weights"].name])
+
+
+def test_methods_sharing_state_are_one_group_with_the_table_applied_whatever_it_costs():
+    """Two methods that read mostly different weights but hold one written buffer (LingBot-VA's DiT steps at a
+    tiny size, with the pool in the "buffer" layout): one group, and its table applied past the memory limit,
+    since ExecuTorch shares a method's constants, the state included, only for methods of one table."""
+    reads = {"write": {"pool": 64, "w_write": 4000}, "read": {"pool": 64, "w_read": 4000}, "other": {"w_o": 10}}
+    assert constant_plan.sharing_groups(reads) == [["write"], ["read"], ["other"]]
+    assert constant_plan.sharing_groups(reads, state=["pool"]) == [["write", "read"], ["other"]]
+    pool = constant_plan.PlannedConstant("pool", "buffer", "float32", [16], 64, ["write", "read"], ["write"])
+    weights = [constant_plan.PlannedConstant(f"w_{m}", "parameter", "float32", [1000], 4000, [m])
+               for m in ("write", "read")]
+    decision = constant_plan.plan_decision(constant_plan.ConstantPlan([pool, *weights]), 2)
+    assert decision["applied"] and decision["gpu_growth"] > constant_plan.PLAN_MAX_GPU_GROWTH
+    assert "state the methods share (pool)" in decision["why"]
+    alone = constant_plan.plan_decision(constant_plan.ConstantPlan(weights), 2)  # the same without the state
+    assert not alone["applied"] and "not applied" in alone["why"]

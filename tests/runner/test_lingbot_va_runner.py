@@ -294,7 +294,8 @@ def test_executorch_backend_shares_the_pool_inside_the_runtime(buffer_run, promp
 
 @pytest.mark.parametrize("case, blobs, match", [
     ("no-sharing", ONE_TABLE, "shares no constants between methods"),
-    ("", {"video_step": b"weights" * 64, "action_step": b"others!" * 64}, "weights blobs of video_step, action_step differ"),
+    ("", {"video_step": b"weights" * 64, "action_step": b"others!" * 64},
+     "weights blobs of video_step, action_step differ"),
 ])
 def test_executorch_backend_that_cannot_share_the_pool_is_refused(buffer_run, fake_zoo_runner, monkeypatch, tmp_path,
                                                                   case, blobs, match):
