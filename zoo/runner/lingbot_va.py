@@ -104,7 +104,8 @@ class LingBotVARunner(PolicyRunner):
             raise RunnerError(f"kv_pool layout 'buffer': the {self.backend.name} backend does not give "
                               f"{' and '.join(DIT_METHODS)} one KV pool: {problem}",
                               "run it on a backend that shares it (eager; artifact; executorch with a zoo_runner "
-                              "built with weight sharing across methods: scripts/build_runtime.sh), or export "
+                              "built with weight sharing across methods, scripts/build_runtime.sh, over a run "
+                              "lowered by this zoo, which gives both methods one constant table), or export "
                               "with lowering.kv_pool=io")
 
     # --- per-episode state (m:153-193) -----------------------------------------------------------------------
