@@ -206,7 +206,9 @@ def text_report(report: Dict[str, Any]) -> str:
             for r in seq["rows"]:
                 srows.append([r["step"], r["method"], r["output"], f"{r['rel_l2']:.2e}", f"{r['cosine']:.6f}",
                               f"{r['tolerance']:.1e}", "ok" if r["ok"] else "FAIL " + r["why"]])
-            lines.append(f"{res['recipe']}: KV pool through the host, {len(seq['steps'])} calls in one zoo_runner "
+            how = ("inside the methods, shared by the runtime" if seq.get("layout") == "buffer"
+                   else "handed from call to call")
+            lines.append(f"{res['recipe']}: KV pool {how}, {len(seq['steps'])} calls in one zoo_runner "
                          f"process vs eager ({'passed' if seq['passed'] else 'FAILED'}; per call ms: "
                          f"{', '.join(f'{t:.2f}' for t in seq['step_ms'])})\n" + format_table(srows))
         elif seq:

@@ -100,16 +100,25 @@ class Counter(nn.Module):
         return self.u.shared(x) * self.u.scale
 
 
-def test_mutated_buffers_and_conflicting_values_stay_private():
+def test_conflicting_values_stay_private_and_a_mutated_buffer_is_planned_as_state():
+    """A buffer a method writes is the unit's state, one tensor for every method that holds it (as in eager
+    PyTorch): planned like a weight, so that a runtime sharing constants by name shares it; it stays private only
+    where its values differ, as any constant does."""
     unit, other = Unit(), Unit()
     with torch.no_grad():
         other.head_a.weight.mul_(2.0)
     progs = {"a": torch.export.export(A(unit), (X,)), "count": torch.export.export(Counter(unit, 1.0), (X,)),
              "a2": torch.export.export(A(other), (X,))}
     plan = constant_plan.plan_constants(progs)
-    assert "u.scale" not in plan.fqns() and "mutated by count" in plan.private["u.scale"]
+    by = {c.fqn: c for c in plan.constants}
+    assert by["u.scale"].mutated_by == ["count"] and by["u.scale"].methods == ["a", "count", "a2"]
+    assert by["u.shared.0.weight"].mutated_by == []
     assert "u.head_a.weight" not in plan.fqns() and "different values" in plan.private["u.head_a.weight"]
     assert "u.shared.0.weight" in plan.fqns() and "u.head_a.bias" in plan.fqns()
+    with torch.no_grad():
+        other.scale.add_(1.0)  # the state starts elsewhere in a2: not one state, so not shared
+    progs["a2"] = torch.export.export(A(other), (X,))
+    assert "different values" in constant_plan.plan_constants(progs).private["u.scale"]
 
 
 def test_values_come_from_each_methods_program_and_a_missing_one_is_an_error():
@@ -201,3 +210,20 @@ def test_one_method_extracted_alone_is_the_same_bytes(lowered, tmp_path):
     assert alone["b"]["weights"].read_bytes() == Path(full["weights"]).read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name != artifact.EXTRACTED_JSON) == sorted(
         [alone["b"]["so"].name, alone["b"]["weights"].name])
+
+
+def test_methods_sharing_state_are_one_group_with_the_table_applied_whatever_it_costs():
+    """Two methods that read mostly different weights but hold one written buffer (LingBot-VA's DiT steps at a
+    tiny size, with the pool in the "buffer" layout): one group, and its table applied past the memory limit,
+    since ExecuTorch shares a method's constants, the state included, only for methods of one table."""
+    reads = {"write": {"pool": 64, "w_write": 4000}, "read": {"pool": 64, "w_read": 4000}, "other": {"w_o": 10}}
+    assert constant_plan.sharing_groups(reads) == [["write"], ["read"], ["other"]]
+    assert constant_plan.sharing_groups(reads, state=["pool"]) == [["write", "read"], ["other"]]
+    pool = constant_plan.PlannedConstant("pool", "buffer", "float32", [16], 64, ["write", "read"], ["write"])
+    weights = [constant_plan.PlannedConstant(f"w_{m}", "parameter", "float32", [1000], 4000, [m])
+               for m in ("write", "read")]
+    decision = constant_plan.plan_decision(constant_plan.ConstantPlan([pool, *weights]), 2)
+    assert decision["applied"] and decision["gpu_growth"] > constant_plan.PLAN_MAX_GPU_GROWTH
+    assert "state the methods share (pool)" in decision["why"]
+    alone = constant_plan.plan_decision(constant_plan.ConstantPlan(weights), 2)  # the same without the state
+    assert not alone["applied"] and "not applied" in alone["why"]

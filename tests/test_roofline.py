@@ -178,3 +178,33 @@ def test_the_compiled_steps_compute_what_the_eager_programs_do(tiny_runs):
         results[name] = latents
     for want, got in zip(results["eager"], results["graphed"]):
         assert float((want - got).norm() / want.norm()) < 1e-5
+
+
+@pytest.mark.e2e
+def test_the_compiled_steps_write_the_buffer_layouts_shared_pool_as_the_eager_programs_do(shared_cache):
+    """The pytorch candidate over the "buffer" layout (the KV pool inside the DiT programs, one tensor shared by
+    both): video_step and action_step alternating on drawn inputs, each call's prediction against the eager
+    programs' from the same state; the pool written in place inside the compiled steps."""
+    from support import shared_runs
+    from zoo.bench.graphed import GraphedBackend
+    from zoo.contract.run_folder import RunFolder
+    from zoo.export.verify import draw_inputs
+    from zoo.runner.backends import EagerBackend
+
+    exported = shared_runs.tiny_run(shared_cache, "lingbot-va-tiny",
+                                    ["lowering.kv_pool=buffer", "policy_check.episodes=2"], label="kv-buffer")
+    exported.check_exported()
+    run = RunFolder(exported.path)
+    eager, graphed = EagerBackend(run, "cpu"), GraphedBackend(run, "cpu")
+    names = run.read_host_settings().kv_pool.buffer_names()
+    assert eager.sharing_problem(["video_step", "action_step"], names) is None
+    assert graphed.sharing_problem(["video_step", "action_step"], names) is None
+    io = eager.io_spec.methods
+    for step, method in enumerate(["video_step", "action_step"] * 3):
+        inputs = dict(zip([s.name for s in io[method].inputs], draw_inputs(io[method].inputs, {}, step, method)))
+        want, got = eager.call(method, **inputs), graphed.call(method, **inputs)
+        for name in io[method].outputs:
+            assert float((want[name] - got[name]).norm() / want[name].norm()) < 1e-5, (step, method, name)
+    for name in names:  # the pools the two wrote, call after call
+        a, b = eager._module("video_step").get_buffer(name), graphed._module("video_step").get_buffer(name)
+        assert float((a - b).norm() / a.norm()) < 1e-5, name

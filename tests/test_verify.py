@@ -364,7 +364,7 @@ def test_planted_mismatch_fails_the_command_with_a_report_that_shows_where(run_f
         runner = fake.runner_factory(method, so, weights, device)
         return Off(runner) if method == "rope" else runner
 
-    monkeypatch.setattr(verify, "aoti_runner_factory", planted)
+    monkeypatch.setattr(verify, "aoti_runners", lambda state: planted)
     monkeypatch.setattr(verify, "_default_device", lambda: "cpu")
     assert lower_cli.main([str(run), "--verify-only"]) == VerificationFailed.exit_code
     report = json.loads((run / "report.json").read_text())
@@ -383,7 +383,7 @@ def test_command_runs_every_gpu_step_on_one_report(run_folder, tmp_path, monkeyp
     (run / "model.pte").unlink()
     fake = fake_cuda.FakeCudaCompile({})
     fake.install(monkeypatch)
-    monkeypatch.setattr(verify, "aoti_runner_factory", fake.runner_factory)
+    monkeypatch.setattr(verify, "aoti_runners", lambda state: fake.runner_factory)
     monkeypatch.setattr(verify, "_default_device", lambda: "cpu")
     assert lower_cli.main([str(run)]) == 0
     report = json.loads((run / "report.json").read_text())
@@ -487,7 +487,7 @@ def test_no_gpu_no_device_is_a_clear_error(run_folder):
 
 
 def _verified_on_the_cpu(monkeypatch, factory) -> None:
-    monkeypatch.setattr(verify, "aoti_runner_factory", factory)
+    monkeypatch.setattr(verify, "aoti_runners", lambda state: factory)
     monkeypatch.setattr(verify, "_default_device", lambda: "cpu")
 
 
@@ -602,7 +602,7 @@ def float64_run(run_folder, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         fake.install(mp)
         mp.setattr(verify, "_default_device", lambda: "cpu")
-        mp.setattr(verify, "aoti_runner_factory", fake.runner_factory)
+        mp.setattr(verify, "aoti_runners", lambda state: fake.runner_factory)
         mp.delenv(et_runtime.RUNNER_ENV, raising=False)
         assert lower_cli.main([str(run), "--runtime", "aoti"]) == 0
     return {"run": run, "fake": fake}

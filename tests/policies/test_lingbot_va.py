@@ -89,8 +89,14 @@ def _zero_pools(unit):
     """Empty the KV pool buffers of the DiT steps (the VAE methods have none)."""
     for method in unit.methods.values():
         if isinstance(method.module, PoolStep):
-            method.module.k_pool.zero_()
-            method.module.v_pool.zero_()
+            for layer in [*method.module.pool_layers()[0], *method.module.pool_layers()[1]]:
+                layer.zero_()
+
+
+def _stacked(module):
+    """A "buffer"-layout step's per-layer K and V buffers, stacked as the "io" layout's pools ``[layers, ...]``."""
+    k_layers, v_layers = module.pool_layers()
+    return torch.stack(k_layers), torch.stack(v_layers)
 
 
 # ---------------------------------------------------------------------------------------------- pulling
@@ -300,7 +306,7 @@ def test_unit_matches_lerobot_stateful_calls_over_a_sequence(units, layout, requ
                 got, k_pool, v_pool = module(latents, timesteps, grid, text, slots, visible, k_pool, v_pool)
             else:
                 got = module(latents, timesteps, grid, text, slots, visible)
-                k_pool, v_pool = module.k_pool, module.v_pool
+                k_pool, v_pool = _stacked(module)
         alloc.finish(slots, update)
         result = compare(f"{method} u={update}", got, ref)
         assert result.rel_l2 < 1e-5, result
@@ -378,18 +384,20 @@ def test_method_exports_and_matches_eager(units, exported, layout, method):
     _zero_pools(unit)
     with torch.no_grad():
         ref = spec.module(*inputs)
-    ref_k, ref_v = spec.module.k_pool.clone(), spec.module.v_pool.clone()
-    # Both pools empty again before the exported call (whether or not it holds its own copy of the buffer).
+    ref_k, ref_v = _stacked(spec.module)
+    # Both pools empty again before the exported call (whether or not it holds its own copy of the buffers).
     _zero_pools(unit)
-    module.k_pool.zero_()
-    module.v_pool.zero_()
+    names = unit.host_settings.kv_pool.buffer_names()
+    assert sorted(name for name, _ in module.named_buffers()) == sorted(names)  # one K and one V per layer
+    for name in names:
+        module.get_buffer(name).zero_()
     with torch.no_grad():
         got = module(*inputs)
     assert compare(method, got, ref).rel_l2 < 1e-5
-    # The exported program writes the step's K/V into its pool buffer, as the eager unit does.
+    # The exported program writes the step's K/V into its pool buffers, as the eager unit does.
     assert bool(ref_k.abs().sum() > 0)
-    assert compare("k_pool", module.k_pool, ref_k).rel_l2 < 1e-5
-    assert compare("v_pool", module.v_pool, ref_v).rel_l2 < 1e-5
+    assert compare("k_pool", torch.stack([module.get_buffer(n) for n in names[0::2]]), ref_k).rel_l2 < 1e-5
+    assert compare("v_pool", torch.stack([module.get_buffer(n) for n in names[1::2]]), ref_v).rel_l2 < 1e-5
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

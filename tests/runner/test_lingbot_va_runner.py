@@ -8,6 +8,7 @@ after the same ``torch.manual_seed``.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -165,21 +166,29 @@ def test_a_run_whose_steps_take_the_prompt_embedding_matches_lerobot(shared_cach
     assert "prompt_kv" not in calls and calls.count("action_step") > 20, sorted(set(calls))
 
 
+def as_lowered(run_dir, dest):
+    """A copy of the run that the executorch backend takes for lowered: a stand-in ``model.pte`` (the fake
+    zoo_runner runs ``exported.*.pt2``) and the runtime requirement a lowering writes."""
+    from zoo.contract.releases import lowering_requirement
+
+    shutil.copytree(run_dir, dest)
+    (dest / "model.pte").write_bytes(b"stands in for the program; the fake runs exported.*.pt2")
+    io_spec = RunFolder(dest).read_io_spec().methods
+    planned = {m: {"inputs": [False] * len(io.inputs), "outputs": [False] * len(io.outputs)}
+               for m, io in io_spec.items()}
+    RunFolder(dest).write_runtime_requirement(lowering_requirement("1.2.0", planned).as_dict())
+    return dest
+
+
 def test_executorch_backend_keeps_the_kv_pool_and_vae_caches_in_the_runtime(run, prompt_file, observations, expected,
                                                                            fake_zoo_runner, monkeypatch, tmp_path):
     """The same policy check over backend="executorch" (the fake zoo_runner runs the exported programs): the
     actions match LeRobot's, and the KV pool and the VAE caches never leave the runtime: no file of theirs is
     written, and the runner copies none of them (``rescued``, ``host_copies``)."""
     from zoo.runtimes import executorch as et_runtime
-    from zoo.contract.releases import lowering_requirement
 
-    lowered = tmp_path / "lowered"
-    shutil.copytree(run[0], lowered)
-    (lowered / "model.pte").write_bytes(b"stands in for the program; the fake runs exported.*.pt2")
+    lowered = as_lowered(run[0], tmp_path / "lowered")
     io_spec = RunFolder(lowered).read_io_spec().methods
-    planned = {m: {"inputs": [False] * len(io.inputs), "outputs": [False] * len(io.outputs)}
-               for m, io in io_spec.items()}
-    RunFolder(lowered).write_runtime_requirement(lowering_requirement("1.2.0", planned).as_dict())
     shapes = {name: tuple(spec.shape) for io in io_spec.values() for spec in io.inputs
               for name in ("k_pool", "v_pool") if spec.name == name}
     shapes.update({spec.name: tuple(spec.shape) for spec in io_spec["vae_encode"].inputs[1:]})
@@ -198,3 +207,115 @@ def test_executorch_backend_keeps_the_kv_pool_and_vae_caches_in_the_runtime(run,
     assert result.ok, result.table()
     assert stats["calls"] > 20 and stats["rescued"] == 0 and stats["host_copies"] == 0
     assert written and not set(shapes.values()) & set(written), (shapes, sorted(set(written)))
+
+
+# --- the "buffer" layout: the KV pool inside the DiT methods, one copy shared by both ----------------------------
+
+# Two episodes in the pipeline's policy check, on one runner: the second starts with the first's K/V in the pool.
+BUFFER = ["lowering.kv_pool=buffer", "policy_check.episodes=2"]
+
+
+@pytest.fixture(scope="module")
+def buffer_run(shared_cache):
+    """`python -m zoo.export lingbot-va-tiny lowering.kv_pool=buffer policy_check.episodes=2`, once a session."""
+    exported = shared_runs.tiny_run(shared_cache, TINY, BUFFER, label="kv-buffer")
+    exported.check_exported()
+    return exported.path
+
+
+def test_buffer_layout_passes_the_policy_check_over_two_episodes_of_one_runner(buffer_run, recipe):
+    """The export's own CPU policy check against LeRobot's select_action, float32, at the io layout's tolerance:
+    the steps take and return no pool, which lives in one K and one V buffer per layer that both DiT programs hold
+    and the eager runner shares; the runner is not cleared between the episodes (stale K/V sit in masked slots)."""
+    report = json.loads((buffer_run / "report.json").read_text())
+    check = report["policy_check"]["cpu"]
+    assert check["passed"] and check["rule"] == "float32", check["table"]
+    assert len(check["rows"]) == 2 * (recipe.policy_check.chunks + 1)  # two episodes of 4 chunks
+    assert {r["bound"] for r in check["rows"]} == {recipe.policy_check.tolerance.float32}
+    run = RunFolder(buffer_run)
+    settings = run.read_host_settings()
+    assert settings.kv_pool.layout == "buffer"
+    for method in ("video_step", "action_step"):
+        io = run.read_io_spec().methods[method]
+        assert not {"k_pool", "v_pool"} & {s.name for s in io.inputs} and len(io.outputs) == 1
+        program = run.load_program("rewritten", method)
+        held = {spec.target for spec in program.graph_signature.input_specs if spec.kind.name == "BUFFER"}
+        assert held == set(settings.kv_pool.buffer_names()) == {"k_pool_0", "v_pool_0", "k_pool_1", "v_pool_1"}
+
+
+def test_a_runner_whose_two_methods_keep_separate_pools_fails_the_policy_check(buffer_run, prompt_file, observations,
+                                                                               expected):
+    """Built to fail: action_step given a pool of its own (as a runtime that does not share them would) no longer
+    sees video_step's K/V, and the policy check against LeRobot says so; the same runner before the change
+    passes the same chunk."""
+    runner = runner_for(buffer_run, prompt_file)
+    first = compare_episode(runner, expected[:12], observations[:12], seed=0, min_chunks=1)
+    assert first.ok, first.table()
+    action = runner.backend._module("action_step")
+    for name in runner.settings.kv_pool.buffer_names():  # empty, as a runtime loads each method's own from its blob
+        action.register_buffer(name, torch.zeros_like(action.get_buffer(name)))
+    broken = compare_episode(runner, expected[:12], observations[:12], seed=0, min_chunks=1)
+    assert not broken.ok and broken.rows[0].rel_l2 > 1e-2, broken.table()
+
+
+def test_a_backend_that_would_not_share_the_pool_is_refused_at_load(buffer_run, monkeypatch):
+    from zoo.runner.state import SharedBuffers
+
+    monkeypatch.setattr(SharedBuffers, "adopt", lambda self, module, program: None)  # each program its own pool
+    with pytest.raises(RunnerError, match="does not give video_step and action_step one KV pool.*separate copies"):
+        load(buffer_run)
+
+
+def with_weight_blobs(lowered, blobs):
+    """Give the lowered copy what a lowering records of the DiT methods' constants: ``so/<method>.io.json``
+    listing the pool buffers each writes, and an ``aoti_cuda_blob.ptd`` whose ``<method>_weights_blob`` entries
+    hold ``blobs[method]`` (identical bytes: one segment, as one constant table gives)."""
+    from zoo.contract.artifact import DataEntry
+    from zoo.export.lower.assemble import write_data_file
+
+    run = RunFolder(lowered)
+    names = run.read_host_settings().kv_pool.buffer_names()
+    entries = []
+    for method, data in blobs.items():
+        run.write_io_order(method, {"mutable_buffers": {name: 0 for name in names}})
+        path = lowered / f"{method}.blob"
+        path.write_bytes(data)
+        entries.append(DataEntry(f"{method}_weights_blob", path, 0, len(data)))
+    write_data_file(entries, run.ptd)
+    return lowered
+
+
+ONE_TABLE = {"video_step": b"weights" * 64, "action_step": b"weights" * 64}
+
+
+def test_executorch_backend_shares_the_pool_inside_the_runtime(buffer_run, prompt_file, observations, expected,
+                                                              fake_zoo_runner, tmp_path):
+    """Over backend="executorch" (the fake zoo_runner shares the methods' buffers by name, as the CUDA backend with
+    weight sharing does for one constant table): the first chunk and the feedback into the second match LeRobot's,
+    and no pool crosses the pipe."""
+    lowered = with_weight_blobs(as_lowered(buffer_run, tmp_path / "lowered"), ONE_TABLE)
+    runner = load(lowered, backend="executorch", device="cpu", et_runner=fake_zoo_runner)
+    try:
+        runner.load_prompt(prompt_file)
+        result = compare_episode(runner, expected[:13], observations[:13], seed=0, min_chunks=1)
+        stats = dict(runner.backend.session.stats)
+    finally:
+        runner.close()
+    assert [(r.chunk, r.steps) for r in result.rows] == [(1, 12), (2, 1)] and result.ok, result.table()
+    assert stats["rescued"] == 0 and stats["host_copies"] == 0
+
+
+@pytest.mark.parametrize("case, blobs, match", [
+    ("no-sharing", ONE_TABLE, "shares no constants between methods"),
+    ("", {"video_step": b"weights" * 64, "action_step": b"others!" * 64},
+     "weights blobs of video_step, action_step differ"),
+])
+def test_executorch_backend_that_cannot_share_the_pool_is_refused(buffer_run, fake_zoo_runner, monkeypatch, tmp_path,
+                                                                  case, blobs, match):
+    """A zoo_runner without weight sharing across methods, or methods whose constant tables differ (ExecuTorch's
+    weight sharing then loads each method's own copy): refused before any call, with what to do."""
+    monkeypatch.setenv("FAKE_ZOO_RUNNER_MODE", case)
+    lowered = with_weight_blobs(as_lowered(buffer_run, tmp_path / "lowered"), blobs)
+    with pytest.raises(RunnerError, match=match) as info:
+        load(lowered, backend="executorch", device="cpu", et_runner=fake_zoo_runner)
+    assert "lowering.kv_pool=io" in info.value.hint

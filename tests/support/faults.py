@@ -222,7 +222,7 @@ def argv(case: Case, run: Path, extra: List[str]) -> List[str]:
 def install_fake_gpu(patch) -> None:
     """Only the GPU parts faked: AOTInductor's compile (fake_cuda) and loading the .so (ShippedProgram)."""
     fake_cuda.FakeCudaCompile({}).install(patch)
-    patch.setattr(zoo.export.verify, "aoti_runner_factory", ShippedProgram)
+    patch.setattr(zoo.export.verify, "aoti_runners", lambda state: ShippedProgram)
     patch.setattr(zoo.export.verify, "_default_device", lambda: "cpu")
 
 

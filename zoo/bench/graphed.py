@@ -38,12 +38,19 @@ class GraphedBackend(GraphReplay, EagerBackend):
         super().__init__(run, str(device))
         self._compiled: Dict[str, Callable] = {}
         self._init_graphs()
+        # Every program loaded now: the buffers the methods share by name (a KV pool in the "buffer" layout) are
+        # settled before any step is compiled and captured, whose graphs then write them where they live.
+        for method in self.methods():
+            self._module(method)
 
     def _step(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
         if method not in self._compiled:
             self._compiled[method] = torch.compile(self._module(method), fullgraph=True, dynamic=False)
         out = self._compiled[method](*args)
         return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+
+    def _inside_state(self, method: str) -> List[torch.Tensor]:
+        return [self.shared.tensors[name] for name in sorted(self.shared.written)]
 
     def close(self) -> None:
         self._close_graphs()

@@ -63,15 +63,27 @@ class LlamaHostSettings(_Settings):
 # --- LingBot-VA ------------------------------------------------------------------------------------------------
 
 
+def pool_buffer_names(layers: int) -> List[str]:
+    """The mutable buffers that hold LingBot-VA's KV pool in the "buffer" layout: one K and one V per layer, the
+    same names in every DiT method, which is how the runtimes give all of them one copy (by name)."""
+    return [f"{kind}_pool_{layer}" for layer in range(int(layers)) for kind in ("k", "v")]
+
+
 @dataclass
 class KvPool:
     """The explicit K/V pool both DiT methods read and write, and how many slots each call fills."""
 
-    layout: str  # "io": passed in and returned by each call; "buffer": a mutable buffer inside each method
+    # "io": passed in and returned by each call; "buffer": mutable buffers inside the methods (``buffer_names``),
+    # one copy shared by every method that holds them
+    layout: str
     shape: List[int]  # [layers, batch, tokens, heads, head_dim], zero-initialised
     tokens: int
     video_slots_per_step: int
     action_slots_per_step: int
+
+    def buffer_names(self) -> List[str]:
+        """Layout "buffer": the names of the per-layer K and V buffers, each ``shape[1:]``."""
+        return pool_buffer_names(self.shape[0])
 
 
 @dataclass

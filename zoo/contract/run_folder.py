@@ -345,6 +345,12 @@ class RunFolder:
     def write_io_order(self, method: str, record: Dict[str, Any]) -> Path:
         return atomic.write_json(self.io_order_file(method), record)
 
+    def mutable_buffers(self, method: str) -> List[str]:
+        """The buffers the method's compiled code writes in place (its state inside, e.g. a KV pool in the
+        "buffer" layout), by name, as the lowering recorded them; none when the run is not lowered."""
+        path = self.io_order_file(method)
+        return sorted(json.loads(path.read_text()).get("mutable_buffers") or {}) if path.exists() else []
+
     def io_order(self, method: str) -> Dict[str, Any]:
         """How the method's .so orders its inputs and outputs (``input_order``, ``output_order``, names)."""
         path = self.io_order_file(method)

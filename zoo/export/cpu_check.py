@@ -24,6 +24,7 @@ from zoo.export.trace import example_sizes
 from zoo.core.numerics import compare, judge, judge_low_precision
 from zoo.core.progress import steps
 from zoo.policies.base import ExportUnit
+from zoo.runner.state import SharedBuffers
 
 # Verification inputs are drawn from seed + this offset, so they are never the example inputs torch.export
 # traced with (a value baked into the graph would go unnoticed on those).
@@ -95,7 +96,7 @@ def cpu_check(unit: ExportUnit, programs: Dict[str, ExportedProgram], recipe,
     total = 0
     with torch.no_grad():
         eager = {m: unit.methods[m].module for m in methods}
-        exported = {m: programs[m].module() for m in methods}
+        exported = _shared_modules({m: programs[m] for m in methods})
         ref = {m: reference.methods[m].module for m in methods} if reference is not None else {}
         state = BufferState(list(eager.values()) + list(exported.values()) + list(ref.values()))
         try:
@@ -120,6 +121,17 @@ def cpu_check(unit: ExportUnit, programs: Dict[str, ExportedProgram], recipe,
             "see the cpu_check section of report.md; with complex128 rope, rotary_pairs=float64 is exact",
             result=result)
     return result
+
+
+def _shared_modules(programs: Dict[str, ExportedProgram]) -> Dict[str, torch.nn.Module]:
+    """The programs as modules, the buffers they write one tensor per name across them, as every runtime shares
+    them (zoo.runner.state): the unit's own methods share those buffers in eager PyTorch."""
+    shared = SharedBuffers()
+    modules = {}
+    for method, program in programs.items():
+        modules[method] = program.module()
+        shared.adopt(modules[method], program)
+    return modules
 
 
 def draw_inputs(unit: ExportUnit, methods: Sequence[str], sizes: Dict[str, int], seed: int):

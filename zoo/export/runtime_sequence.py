@@ -4,10 +4,13 @@
 - ``summary_rows``: a two-runtime verification (``zoo.export.verify`` rows, as report.json holds them) as one short
   table: per method, runtime, seed and size, the worst relative L2 and cosine over the outputs, and pass;
   ``result_passed``: one run folder's checks (verification, sequence, latency) together.
-- ``pool_sequence``: LingBot-VA's "io" KV-pool layout over a sequence of calls in ONE zoo_runner process, each
-  call's ``X_next`` outputs fed to the next call's ``X`` inputs inside the runner (held there, on the GPU), against
-  the exported programs run eagerly with the same feeding; it also checks that the pool never crossed to the
-  host on its way (no input copied to the host for planned memory, no named value copied to survive a call).
+- ``pool_sequence``: LingBot-VA's KV pool over a sequence of calls in ONE zoo_runner process, against the
+  exported programs run eagerly the same way. In the "io" layout each call's ``X_next`` outputs are fed to the
+  next call's ``X`` inputs inside the runner (held there, on the GPU), and the pool must never cross to the host
+  on its way (no input copied to the host for planned memory, no named value copied to survive a call). In the
+  "buffer" layout the pool is buffers inside the methods, which the runtime must share by name (its weight
+  sharing across methods): the eager chain shares them, so a runtime that gave each method its own pool
+  computes other numbers from the second call on.
 """
 
 from __future__ import annotations
@@ -77,8 +80,9 @@ def result_passed(res: Dict[str, Any]) -> bool:
 
 def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str = "cuda",
                   require_cuda: bool = True, methods: Sequence[str] = POOL_METHODS) -> Dict[str, Any]:
-    """video_step/action_step alternating, each call's ``X_next`` outputs fed to the next call's ``X`` inputs,
-    in one zoo_runner process; the exported programs run eagerly with the same feeding are the reference."""
+    """video_step/action_step alternating in one zoo_runner process, each call's ``X_next`` outputs fed to the
+    next call's ``X`` inputs ("io" layout) or the pool kept inside the methods ("buffer" layout); the exported
+    programs run eagerly the same way (their buffers shared by name) are the reference."""
     io_spec = run.read_io_spec()
     # the methods that share the pool, alternating; the recipe's other methods (the VAE encodes) keep no pool
     methods = [m for m in methods if m in recipe.unit.methods]
@@ -88,8 +92,13 @@ def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str 
     outputs = {m: list(io_spec.methods[m].outputs) for m in methods}
     # input i of method m takes the previous call's output named "<input name>_next" (k_pool <- k_pool_next)
     stateful = {m: [i for i, spec in enumerate(specs[m]) if spec.name + "_next" in outputs[m]] for m in methods}
-    if not all(stateful.values()):
-        return {"skipped": f"{recipe.name}: no method passes state in and out (X -> X_next); layout is not io"}
+    inside = sorted(set.intersection(*(set(run.mutable_buffers(m)) for m in methods)))
+    feeding = all(stateful.values())
+    if not feeding and not inside:
+        return {"skipped": f"{recipe.name}: the methods neither pass state in and out (X -> X_next) nor write "
+                           "buffers of the same names in place"}
+    if not feeding:
+        stateful = {m: [] for m in methods}  # the "buffer" layout: the state stays inside, nothing is fed
     order = [methods[s % len(methods)] for s in range(steps)]
 
     def source(s: int, i: int) -> int:
@@ -115,7 +124,8 @@ def pool_sequence(run: RunFolder, recipe, runner: Path, steps: int, device: str 
     rows = _sequence_rows(order, outputs, result.outputs, want, want32, recipe.verify.tolerance, device)
     crossing = _state_crossing(result)
     state_ok = crossing["rescued"] == 0 and (crossing["host_copies"] == 0 or not requirement.device_io)
-    return {"recipe": recipe.name, "steps": order, "step_ms": result.step_ms, "rows": rows, "state": crossing,
+    return {"recipe": recipe.name, "layout": "io" if feeding else "buffer", "shared_buffers": inside,
+            "steps": order, "step_ms": result.step_ms, "rows": rows, "state": crossing,
             "passed": bool(rows) and all(r["ok"] for r in rows) and state_ok,
             "load_ms": result.summary.get("load_ms"), "gpu_loaded_mib": result.summary.get("gpu_loaded_mib")}
 
@@ -126,7 +136,7 @@ def _eager_chain(run: RunFolder, kind: str, cast: Callable[[torch.Tensor], torch
                  source: Callable[[int, int], int], device: str) -> List[List[torch.Tensor]]:
     """The run's ``kind`` programs called in ``order`` eagerly, each call's state inputs fed from the previous
     call's outputs as the runner feeds them: the sequence's reference."""
-    modules = {m: verify._eager_module(run.program(kind, m), device) for m in methods}
+    modules = verify.eager_modules(run, kind, methods, device)
     outs: List[List[torch.Tensor]] = []
     with torch.no_grad(), verify.full_fp32_precision():
         for s, m in enumerate(order):

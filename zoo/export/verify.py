@@ -21,7 +21,8 @@ from torch.utils import _pytree as pytree
 
 from zoo.export import audit
 from zoo.core import numerics
-from zoo.runtimes.aoti import RunnerFactory, aoti_runner_factory, run_in_delegate_order, shipped_runners
+from zoo.runtimes.aoti import RunnerFactory, run_in_delegate_order, sharing_runner_factory, shipped_runners
+from zoo.runner.state import SharedBuffers
 from zoo.contract.artifact import io_memory_planning
 from zoo.core.errors import NoGpuError, RuntimeCallFailed, VerificationFailed, first_line
 from zoo.contract.io_spec import InputSpec, IoSpec
@@ -277,7 +278,9 @@ def _gpu_info(device: str) -> Dict[str, Any]:
     return {"name": device}
 
 
-def _eager_module(path: Path, device: str):
+def _eager_module(path: Path, device: str, shared: Optional[SharedBuffers] = None):
+    """The saved program at ``path`` as a module on ``device``; with ``shared``, the buffers it writes are one
+    tensor with those of the same name in the modules ``shared`` adopted before (as every runtime shares them)."""
     if not path.exists():
         raise VerificationFailed(f"{path} is missing: nothing to verify the artifact against",
                                  "the run folder must hold the programs the export step saved; export again")
@@ -286,7 +289,17 @@ def _eager_module(path: Path, device: str):
         from torch.export.passes import move_to_device_pass
 
         program = move_to_device_pass(program, device)
-    return program.module()
+    module = program.module()
+    if shared is not None:
+        shared.adopt(module, program)
+    return module
+
+
+def eager_modules(run: RunFolder, kind: str, methods: Sequence[str], device: str) -> Dict[str, Any]:
+    """The run's ``kind`` programs of ``methods`` as modules, the buffers they write shared by name across them:
+    a stateful run's reference (LingBot-VA's KV pool in the "buffer" layout is one pool for both DiT methods)."""
+    shared = SharedBuffers()
+    return {m: _eager_module(run.program(kind, m), device, shared) for m in methods}
 
 
 def _flat_tensors(value: Any) -> List[torch.Tensor]:
@@ -323,7 +336,7 @@ def verify_artifact(run_dir: Union[RunFolder, Path], recipe, *, device: Optional
     counts = (f"{len(plan.methods)} method(s), {len(recipe.verify.seeds)} seed(s) x {len(plan.cases)} size(s)")
     if "aoti" in choice.runtimes:
         say(f"verify on {LABELS['aoti']}: {counts}")
-        outcomes["aoti"] = _run_aoti(plan, runner_factory or aoti_runner_factory, rows)
+        outcomes["aoti"] = _run_aoti(plan, runner_factory or aoti_runners(plan.state()), rows)
     if "executorch" in choice.runtimes:
         say(f"verify on {describe_runner(choice)}: {counts}")
         outcomes["executorch"] = _run_executorch(plan.run, plan.methods, plan.device, choice,
@@ -364,9 +377,17 @@ class _Plan:
     def low_precision(self) -> bool:
         return self.recipe.unit.dtype == "bfloat16"
 
-    def reference(self, kind: str, method: str) -> Callable[..., Any]:
+    def state(self) -> Dict[str, List[str]]:
+        """Per method, the buffers its compiled code writes in place, which the methods share by name."""
+        return {m: self.run.mutable_buffers(m) for m in self.methods}
+
+    def references_of(self, kind: str) -> Dict[str, Callable[..., Any]]:
+        """Each method's eager reference: the unit's own module when given (the unit's modules share their
+        buffers already), else the saved program, the buffers the programs write shared by name."""
         given = self.references.get(kind) or {}
-        return given[method] if method in given else _eager_module(self.run.program(kind, method), self.device)
+        missing = [m for m in self.methods if m not in given]
+        loaded = eager_modules(self.run, kind, missing, self.device) if missing else {}
+        return {m: given[m] if m in given else loaded[m] for m in self.methods}
 
 
 def _plan(run: RunFolder, recipe, device: str,
@@ -394,8 +415,8 @@ def _compare_all(plan: _Plan, runtime: str, call: Callable[[str, List[torch.Tens
     """Every seed, size and method through ``call``, compared with eager; rows are appended as they come, so a
     runtime that fails half way keeps what it compared."""
     recipe, methods = plan.recipe, plan.methods
-    eager = {m: plan.reference("exported", m) for m in methods}
-    ref32 = {m: plan.reference("reference_fp32", m) for m in methods} if plan.low_precision else {}
+    eager = plan.references_of("exported")
+    ref32 = plan.references_of("reference_fp32") if plan.low_precision else {}
     seen = set()
     calls = [(seed, sizes) for seed in recipe.verify.seeds for sizes in plan.cases]
     for seed, sizes in steps(calls, f"verify ({runtime})", label=lambda c: f"seed {c[0]} {_sizes_text(c[1])}",
@@ -417,6 +438,12 @@ def _compare_all(plan: _Plan, runtime: str, call: Callable[[str, List[torch.Tens
                                 cosine=c.cosine, tolerance=bound, ok=c.ok, why=c.why,
                                 reference=facts.get("reference", "eager"),
                                 eager_rel_l2=facts.get("eager_rel_l2"), vs_eager=facts.get("vs_eager")))
+
+
+def aoti_runners(state: Mapping[str, Sequence[str]]) -> RunnerFactory:
+    """torch's AOTI runner over each method's shipped .so, the methods' constants shared by name as zoo.runner's
+    artifact backend shares them (``state``: per method, the buffers it writes in place)."""
+    return sharing_runner_factory(state)
 
 
 def _run_aoti(plan: _Plan, factory: RunnerFactory, rows: List[Row]) -> Dict[str, Any]:

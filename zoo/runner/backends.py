@@ -15,14 +15,15 @@ import torch
 from torch.export.passes import move_to_device_pass
 from torch.utils import _pytree as pytree
 
-from zoo.contract.artifact import io_memory_planning
+from zoo.contract.artifact import WEIGHTS_SUFFIX, io_memory_planning, read_ptd_entries
 from zoo.contract.io_spec import IoSpec, MethodIo
 from zoo.core.errors import RunnerError
 from zoo.runtimes.executorch import DeviceValue, RuntimeSession
 from zoo.core.progress import warn
 from zoo.contract.run_folder import RunFolder
 from zoo.contract.releases import requirement_for
-from zoo.runtimes.aoti import AotiRunner, run_in_delegate_order, shipped_runners
+from zoo.runtimes.aoti import AotiRunner, SharedConstants, run_in_delegate_order, shipped_runners
+from zoo.runner.state import SharedBuffers
 
 BACKENDS = ("eager", "artifact", "executorch")
 # {method: {output name: the name it is kept and fed back under}}
@@ -51,6 +52,11 @@ class Backend:
     def zeros(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> Any:
         """Zero-filled state to start with (a KV pool), under the name the family feeds it back as."""
         return torch.zeros(list(shape), dtype=dtype, device=self.device)
+
+    def sharing_problem(self, methods: Sequence[str], buffers: Sequence[str]) -> Optional[str]:
+        """Why ``methods`` do not all read and write one copy of each of ``buffers`` (state the methods keep inside
+        under these names: LingBot-VA's KV pool in the "buffer" layout), or None when they do."""
+        return f"backend {self.name!r} gives each method its own copy of the state it keeps inside"
 
     def hold(self, name: str, tensor: torch.Tensor) -> Any:
         """An input the host loop passes unchanged call after call (a prompt's embedding): a backend that keeps
@@ -103,6 +109,7 @@ class EagerBackend(Backend):
     def __init__(self, run: RunFolder, device: str):
         super().__init__(run, device)
         self._modules: Dict[str, torch.nn.Module] = {}
+        self.shared = SharedBuffers()  # the buffers the programs write, one tensor per name across them
 
     def _module(self, method: str) -> torch.nn.Module:
         if method not in self._modules:
@@ -114,8 +121,13 @@ class EagerBackend(Backend):
             program = self.run.load_program("rewritten", method)
             if self.device.type != "cpu":
                 program = move_to_device_pass(program, str(self.device))
-            self._modules[method] = program.module()
+            module = program.module()
+            self.shared.adopt(module, program)
+            self._modules[method] = module
         return self._modules[method]
+
+    def sharing_problem(self, methods: Sequence[str], buffers: Sequence[str]) -> Optional[str]:
+        return _in_words(self.shared.unshared({m: self._module(m) for m in methods}, buffers))
 
     def _run(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
         with torch.no_grad():
@@ -131,6 +143,7 @@ class ArtifactBackend(Backend):
     def __init__(self, run: RunFolder, device: str, methods: Sequence[str]):
         self._stack = contextlib.ExitStack()
         self._runners: Dict[str, AotiRunner] = {}
+        self.shared = SharedConstants()  # one tensor per constant name across the methods' containers
         if not str(device).startswith("cuda"):
             raise RunnerError(f"backend 'artifact' runs the compiled CUDA kernels; device {device!r} cannot",
                               "pass device='cuda' (on a machine with a GPU), or use backend='eager'")
@@ -151,10 +164,14 @@ class ArtifactBackend(Backend):
             scratch=Path(tempfile.gettempdir())))
 
     def _load(self, method: str, so: Path, weights: Optional[Path], device: str) -> AotiRunner:
-        return AotiRunner(so, weights, device, run_dir=self.run.path)
+        return AotiRunner(so, weights, device, run_dir=self.run.path, shared=self.shared,
+                          state=self.run.mutable_buffers(method))
 
     def _run(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
         return run_in_delegate_order(self._runners[method], self._orders[method], args)
+
+    def sharing_problem(self, methods: Sequence[str], buffers: Sequence[str]) -> Optional[str]:
+        return _in_words(self.shared.unshared({m: self._runners[m].container for m in methods}, buffers))
 
     def close(self) -> None:
         self._runners = {}
@@ -162,6 +179,15 @@ class ArtifactBackend(Backend):
 
     def __del__(self):  # the extracted .so files are only a cache of model.pte's bytes
         self.close()
+
+
+def _in_words(problems: Dict[str, str]) -> Optional[str]:
+    """``{buffer: why it is not one copy}`` in one line, or None when there is no problem."""
+    if not problems:
+        return None
+    names = sorted(problems)
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return f"{len(names)} buffer(s) not one copy ({shown}): {problems[names[0]]}"
 
 
 def check_state(state: DeviceState, methods: Dict[str, MethodIo]) -> None:
@@ -195,6 +221,30 @@ class ExecuTorchBackend(Backend):
         self.session = RuntimeSession(run.pte, run.ptd if run.ptd.is_file() else None, executable=executable,
                                       methods=methods, require_cuda=require_cuda, requirement=self.requirement)
         self._held: Dict[str, Tuple[torch.Tensor, DeviceValue]] = {}
+
+    def sharing_problem(self, methods: Sequence[str], buffers: Sequence[str]) -> Optional[str]:
+        # zoo_runner's process is opaque from here: what decides whether ExecuTorch's CUDA backend shares a
+        # method's constants (docs/runtime.md, "State on the GPU") is checked instead. It shares them when the
+        # option is on and every constant of the later method is on the GPU already, which the methods of one
+        # constant-plan group guarantee: one constant table, one weights blob (one segment of the .ptd).
+        sharing = self.session.build.get("weight_sharing_across_methods")
+        if not self.session.weight_sharing or sharing != "on":
+            return (f"this zoo_runner shares no constants between methods (weight sharing across methods: "
+                    f"{sharing if self.session.weight_sharing else 'off'})")
+        for method in methods:
+            held = set(self.run.mutable_buffers(method))
+            missing = [b for b in buffers if b not in held]
+            if missing:
+                return (f"method {method!r}'s compiled code does not write {missing[:3]} in place "
+                        f"({self.run.io_order_file(method).name} lists {sorted(held)[:4] or 'none'})")
+        if not self.run.ptd.is_file():
+            return f"{self.run.ptd} is missing: the methods' constants cannot be shared"
+        segments = {e.key: (e.offset, e.size) for e in read_ptd_entries(self.run.ptd)}
+        blobs = {segments.get(m + WEIGHTS_SUFFIX) for m in methods}
+        if len(blobs) != 1 or None in blobs:
+            return (f"the weights blobs of {', '.join(methods)} differ, so ExecuTorch's weight sharing, which shares "
+                    "a method's constants only when all of them are loaded already, gives each its own copy")
+        return None
 
     def keep_state(self, state: DeviceState) -> None:
         super().keep_state(state)

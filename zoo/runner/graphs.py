@@ -8,6 +8,11 @@ output into it (one device copy inside the graph), so no state moves into a grap
 copied into the graph's static inputs; other outputs are cloned out of the graph's memory, because a host loop may
 hold one across the next call of the method.
 
+State a method keeps inside (mutable buffers: LingBot-VA's KV pool in the "buffer" layout) needs none of that: the
+graph writes it where it lives, the tensor every method shares by name (``zoo.runner.state``,
+``zoo.runtimes.aoti.SharedConstants``), at a fixed address. Only the warm-up calls before a capture would change
+it for real (a captured graph runs nothing until replayed), so it is saved before them and put back after.
+
 ``GraphReplay`` is a mixin over a backend's ``_step(method, args)``, the call it captures: the artifact's ``.so``
 through torch's AOTI runner (``zoo.runner.load(..., cuda_graphs=True)``), or the chunk bench's compiled PyTorch
 steps (``zoo.bench.graphed``). On a CPU there is no CUDA graph: the step runs at every call, which checks the
@@ -54,6 +59,10 @@ class GraphReplay:
     def _step(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
         raise NotImplementedError
 
+    def _inside_state(self, method: str) -> List[torch.Tensor]:
+        """The tensors the methods write in place (their state inside), once ``method`` is ready to run."""
+        return []
+
     def zeros(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         # Zeroed in place when it exists: every captured graph keeps reading this very buffer.
         buf = self.buffers.get(name)
@@ -93,6 +102,9 @@ class GraphReplay:
         io = self.method_io(method)
         static = self._static_inputs(method, args)
         cuda = self.device.type == "cuda"
+        inside = self._inside_state(method)
+        with torch.no_grad():
+            saved = [t.clone() for t in inside]  # the warm-up calls write it: this call must find it as it was
         side = torch.cuda.Stream(self.device) if cuda else None
         if cuda:
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -102,6 +114,10 @@ class GraphReplay:
         if cuda:
             torch.cuda.current_stream(self.device).wait_stream(side)
             torch.cuda.synchronize(self.device)  # a runtime's own "run finished" event is complete before capture
+        with torch.no_grad():
+            for tensor, before in zip(inside, saved):
+                tensor.copy_(before)
+        del saved
         for out, name in self.state.get(method, {}).items():  # a state this method returns: its buffer
             ref = outs[io.outputs.index(out)]
             buf = self.buffers.get(name)
@@ -149,14 +165,19 @@ class GraphedArtifactBackend(GraphReplay, ArtifactBackend):
 
     def _load(self, method, so, weights, device):
         # The single-threaded entry point records no "run finished" event, which a capture could not query.
+        sharing = {"shared": self.shared, "state": self.run.mutable_buffers(method)}
         try:
-            return AotiRunner(so, weights, device, run_dir=self.run.path, single_threaded=True)
+            return AotiRunner(so, weights, device, run_dir=self.run.path, single_threaded=True, **sharing)
         except VerificationFailed:  # no such entry point: the event is queried, which "relaxed" capture allows
             self.capture_mode = "relaxed"
-            return AotiRunner(so, weights, device, run_dir=self.run.path)
+            return AotiRunner(so, weights, device, run_dir=self.run.path, **sharing)
 
     def _step(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
         return ArtifactBackend._run(self, method, args)
+
+    def _inside_state(self, method: str) -> List[torch.Tensor]:
+        names = sorted({name for m in self._runners for name in self.run.mutable_buffers(m)})
+        return [self.shared.tensors[name] for name in names if name in self.shared.tensors]
 
     def close(self) -> None:
         if hasattr(self, "_graphs"):

@@ -17,16 +17,23 @@ from zoo.runner.slots import HostSlotAllocator
 from zoo.runner.base import Batch, PolicyRunner
 
 
+# The DiT methods, which read and write the KV pool.
+DIT_METHODS = ("video_step", "action_step")
+
+
 class LingBotVARunner(PolicyRunner):
     policy_type = "lingbot_va"
     family = "lingbot_va"
 
     @classmethod
     def device_state(cls, settings: LingBotVAHostSettings) -> Dict[str, Dict[str, str]]:
-        # The KV pool goes from every DiT call to the next (k_pool_next -> k_pool), the causal caches from every
-        # VAE call to the next (each cache output has its input's name).
-        pool = {"k_pool_next": "k_pool", "v_pool_next": "v_pool"}
-        state = {"video_step": dict(pool), "action_step": dict(pool)}
+        # The KV pool goes from every DiT call to the next (k_pool_next -> k_pool; in the "buffer" layout it stays
+        # inside the methods), the causal caches from every VAE call to the next (each cache output has its
+        # input's name).
+        state: Dict[str, Dict[str, str]] = {}
+        if settings.kv_pool.layout == "io":
+            pool = {"k_pool_next": "k_pool", "v_pool_next": "v_pool"}
+            state = {"video_step": dict(pool), "action_step": dict(pool)}
         vae = settings.vae
         if vae:
             caches = {name: name for name in vae.cache}
@@ -48,10 +55,11 @@ class LingBotVARunner(PolicyRunner):
                               "would need PyTorch model code on this side",
                               "export the recipe with vae_encode_first and vae_encode in unit.methods")
         pool = s.kv_pool
-        if pool.layout != "io":
-            raise RunnerError(f"kv_pool layout {pool.layout!r}: each method of the artifact keeps its own pool, "
-                              "so action_step would not see video_step's K/V",
-                              "export with lowering.kv_pool=io (the pool passed in and returned)")
+        self.pool_inside = pool.layout == "buffer"
+        if self.pool_inside:
+            self._require_one_pool(pool.buffer_names())
+        elif pool.layout != "io":
+            raise RunnerError(f"kv_pool layout {pool.layout!r} is not one zoo.runner knows", "export the run again")
         cams = s.cameras
         if cams.layout != "width_concat":
             raise RunnerError(f"camera layout {cams.layout!r} is not supported by zoo.runner yet",
@@ -87,6 +95,18 @@ class LingBotVARunner(PolicyRunner):
         mask[self.used] = True
         self.action_mask = mask
         self.prompt_method = s.prompt_method
+
+    def _require_one_pool(self, names: List[str]) -> None:
+        """Layout "buffer": the pool is mutable buffers inside both DiT methods, which must be one copy, or
+        ``action_step`` would attend over a pool ``video_step`` never wrote into."""
+        problem = self.backend.sharing_problem(DIT_METHODS, names)
+        if problem:
+            raise RunnerError(f"kv_pool layout 'buffer': the {self.backend.name} backend does not give "
+                              f"{' and '.join(DIT_METHODS)} one KV pool: {problem}",
+                              "run it on a backend that shares it (eager; artifact; executorch with a zoo_runner "
+                              "built with weight sharing across methods, scripts/build_runtime.sh, over a run "
+                              "lowered by this zoo, which gives both methods one constant table), or export "
+                              "with lowering.kv_pool=io")
 
     # --- per-episode state (m:153-193) -----------------------------------------------------------------------
 
@@ -212,20 +232,29 @@ class LingBotVARunner(PolicyRunner):
     # --- the KV pool (m:613-628) -----------------------------------------------------------------------------
 
     def _init_streaming_cache(self) -> None:
+        # Every slot is invisible again. A pool inside the methods ("buffer" layout) keeps the last episode's K/V:
+        # a masked slot contributes exactly zero to the attention as long as it holds finite values, which K/V
+        # computed by the model are, and a slot is always written before it is made visible. So it is not
+        # cleared: there is nothing to clear it with in ExecuTorch's runtime, and the backends stay alike.
         self.allocator.reset()
+        if self.pool_inside:
+            return
         # Made by the backend: the ExecuTorch one zeroes the pool where it lives, without a transfer.
         self._pools = (self.backend.zeros("k_pool", self.pool_shape, self.dtype),
                        self.backend.zeros("v_pool", self.pool_shape, self.dtype))
 
     def _step(self, method: str, inputs: Dict[str, torch.Tensor], update_cache: int) -> torch.Tensor:
-        """One transformer call: slots chosen as LeRobot's cache chooses them, the pool in and out."""
+        """One transformer call: slots chosen as LeRobot's cache chooses them, the pool in and out (or, in the
+        "buffer" layout, written where it lives, inside the methods)."""
         tokens = self.video_tokens if method == "video_step" else self.action_tokens
         slots, visible = self.allocator.begin(tokens)
         text = self._text_inputs(inputs["text_emb"])  # fixed for the episode
         inputs = {**{k: v for k, v in inputs.items() if k != "text_emb"}, **text}
-        out = self.call(method, slots=slots, visible=visible, k_pool=self._pools[0], v_pool=self._pools[1], **inputs)
+        pools = {} if self.pool_inside else {"k_pool": self._pools[0], "v_pool": self._pools[1]}
+        out = self.call(method, slots=slots, visible=visible, **pools, **inputs)
         self.allocator.finish(slots, update_cache)
-        self._pools = (out["k_pool_next"], out["v_pool_next"])
+        if not self.pool_inside:
+            self._pools = (out["k_pool_next"], out["v_pool_next"])
         return out["noise_pred" if method == "video_step" else "action_noise_pred"]
 
     def _text_inputs(self, text_emb: torch.Tensor) -> Dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import platform
 from pathlib import Path
 import shutil
 import tempfile
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Type, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Type, Union
 
 import torch
 
@@ -55,6 +55,87 @@ def load_weights(container, weights_path: Union[str, Path, None]) -> bool:
     return True
 
 
+class SharedConstants:
+    """One tensor per constant name (original FQN) across the AOTI containers of one artifact's methods.
+
+    Each method's ``.so`` runs in a container of its own, which loads its own copy of every constant from its
+    weights blob. Two things want one copy instead:
+
+    * state: a buffer the methods write in place (LingBot-VA's KV pool in the "buffer" layout) must be one
+      tensor, or ``action_step`` never sees the K/V ``video_step`` wrote;
+    * memory: methods of one constant-plan group have byte-identical blobs (``zoo.export.lower.constant_plan``,
+      stored once in the ``.ptd``, one file once extracted), so every constant of the second is the first's.
+
+    ``load`` does, per method, what ExecuTorch's ``weight_sharing_across_methods`` does in its CUDA backend:
+    a method whose blob is a file an earlier method loaded loads none, and its container is pointed at the
+    earlier tensors (``update_constant_buffer(..., user_managed=True)``, validated in full: no copy); any other
+    method loads its own blob, and then only its ``state`` buffers (``so/<method>.io.json``'s
+    ``mutable_buffers``) are pointed at the tensors an earlier method holds under the same names. The
+    containers are torch's ``AOTIModelContainerRunnerCuda`` (or ``...Cpu``: the same methods, for CPU tests).
+    """
+
+    def __init__(self) -> None:
+        self.tensors: Dict[str, torch.Tensor] = {}  # original FQN -> the tensor every container reads
+        # a loaded weights file -> the method that loaded it; by (device, inode): extraction hard-links a blob two
+        # methods share (``zoo.contract.artifact.extract_method_files``)
+        self.blobs: Dict[Tuple[int, int], str] = {}
+        self.how: Dict[str, str] = {}  # method -> what it shares, in words
+
+    def load(self, method: str, container: Any, weights: Union[str, Path, None], state: Sequence[str] = ()) -> None:
+        facts = Path(weights).stat() if weights else None
+        blob = (facts.st_dev, facts.st_ino) if facts is not None and facts.st_size else None
+        owner = self.blobs.get(blob) if blob is not None else None
+        if owner is not None:
+            self._point(container, self.tensors, full=True)
+            how = f"every constant shared with {owner} (one weights blob)"
+        else:
+            load_weights(container, weights)
+            shared = {fqn: self.tensors[fqn] for fqn in state if fqn in self.tensors}
+            self._point(container, shared, full=False)
+            how = f"own weights; state {sorted(shared)} shared" if shared else "own weights"
+        # Recorded only once the method is loaded: a load that failed leaves nothing a later one could share.
+        if owner is None and blob is not None:
+            self.blobs[blob] = method
+        for fqn, tensor in container.extract_constants_map(False).items():
+            self.tensors.setdefault(fqn, tensor)
+        self.how[method] = how
+
+    def _point(self, container: Any, by_fqn: Mapping[str, torch.Tensor], *, full: bool) -> None:
+        """Point ``container``'s constants named in ``by_fqn`` at those tensors (no copy); ``full``: all of them."""
+        names = container.get_constant_names_to_original_fqns()  # internal name -> original FQN
+        if full:
+            missing = sorted(fqn for fqn in names.values() if fqn not in by_fqn)
+            if missing:
+                raise VerificationFailed(f"a method's weights blob is another's, yet its .so has constants the other "
+                                         f"lacks: {missing[:3]}", "lower the run again (`python -m zoo lower RUN_DIR`)")
+        if not by_fqn:
+            return
+        own = container.extract_constants_map(False) if not full else {}
+        update = {}
+        for name, fqn in names.items():
+            if fqn not in by_fqn:
+                continue
+            mine, theirs = own.get(fqn), by_fqn[fqn]
+            if mine is not None and (mine.shape != theirs.shape or mine.dtype != theirs.dtype):
+                raise VerificationFailed(f"constant {fqn!r} has shape {tuple(mine.shape)} {mine.dtype} in one method "
+                                         f"and {tuple(theirs.shape)} {theirs.dtype} in another: they cannot share it",
+                                         "lower the run again (`python -m zoo lower RUN_DIR`)")
+            update[name] = theirs
+        container.update_constant_buffer(update, False, full, True)
+
+    def unshared(self, containers: Mapping[str, Any], names: Iterable[str]) -> Dict[str, str]:
+        """Of ``names`` (original FQNs), each one the ``containers`` do not all read from one tensor: name -> why."""
+        problems: Dict[str, str] = {}
+        maps = {method: container.extract_constants_map(False) for method, container in containers.items()}
+        for name in names:
+            missing = [m for m, constants in maps.items() if name not in constants]
+            if missing:
+                problems[name] = f"method {missing[0]!r}'s .so has no constant {name!r}"
+            elif len({constants[name].data_ptr() for constants in maps.values()}) > 1:
+                problems[name] = f"methods {sorted(maps)} hold separate copies"
+        return problems
+
+
 def cuda_device(device: Union[str, torch.device] = "cuda") -> Device:
     """The GPU a loader is about to run on (name, compute capability) and this host's machine, for
     ``gpu_targets.require_runs_on``."""
@@ -72,7 +153,8 @@ class AotiRunner:
     failing inside the loader or at its first kernel launch. ``run_dir`` goes into that message's command."""
 
     def __init__(self, so_path: Union[str, Path], weights_path: Union[str, Path, None], device: str = "cuda", *,
-                 run_dir: Optional[Union[str, Path]] = None, single_threaded: bool = False):
+                 run_dir: Optional[Union[str, Path]] = None, single_threaded: bool = False,
+                 shared: Optional[SharedConstants] = None, state: Sequence[str] = ()):
         if not torch.cuda.is_available():
             raise NoGpuError("running the compiled .so needs a CUDA device and none is visible",
                              "verify on the machine with the GPU (`python -m zoo lower RUN_DIR`)")
@@ -85,11 +167,19 @@ class AotiRunner:
             # can capture a call (zoo.runner.graphs).
             args = (str(self.so_path), 1, device) + (("", True) if single_threaded else ())
             self._runner = torch._C._aoti.AOTIModelContainerRunnerCuda(*args)
-            load_weights(self._runner, weights_path)
-        except RuntimeError as exc:
+            if shared is None:
+                load_weights(self._runner, weights_path)
+            else:  # the constants the methods share by name (``state``: the buffers this method writes)
+                shared.load(self.so_path.stem, self._runner, weights_path, state)
+        except RuntimeError as exc:  # the loader's own errors (SharedConstants raises zoo's)
             raise VerificationFailed(f"torch's AOTI runner cannot load {self.so_path}: {exc}",
                                      "the .so and its weights blob must come from one lowering, run with the torch "
                                      f"version that compiled them (this is {torch.__version__})") from exc
+
+    @property
+    def container(self) -> Any:
+        """torch's AOTI container runner over the .so."""
+        return self._runner
 
     def run(self, inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Run with inputs in the .so's own order; returns its outputs in its own order."""
@@ -103,6 +193,17 @@ RunnerFactory = Callable[[str, Path, Optional[Path], str], Any]
 
 def aoti_runner_factory(method: str, so: Path, weights: Optional[Path], device: str) -> AotiRunner:
     return AotiRunner(so, weights, device)
+
+
+def sharing_runner_factory(state: Mapping[str, Sequence[str]]) -> RunnerFactory:
+    """A factory whose runners share their constants by name (``SharedConstants``): ``state`` names, per method,
+    the buffers it writes in place (``RunFolder.mutable_buffers``), which the methods must hold as one tensor."""
+    shared = SharedConstants()
+
+    def factory(method: str, so: Path, weights: Optional[Path], device: str) -> AotiRunner:
+        return AotiRunner(so, weights, device, shared=shared, state=state.get(method, ()))
+
+    return factory
 
 
 def run_in_delegate_order(runner: Any, order: Dict[str, Any], inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:

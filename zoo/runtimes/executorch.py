@@ -181,6 +181,7 @@ class RuntimeSession:
         self.pte = Path(pte).resolve()
         self.ptd = Path(ptd).resolve() if ptd else None
         self.timeout_s = timeout_s
+        self.weight_sharing = bool(weight_sharing)  # asked of the runner: --no-weight-sharing when False
         if not self.pte.is_file():
             raise RuntimeCallFailed(f"{self.pte} is missing", "lower the run first (`python -m zoo lower RUN_DIR`)")
         self.build = runner_info(self.executable)

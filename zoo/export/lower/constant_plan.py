@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Sequence, Tuple
 
 import torch
 from torch.export import ExportedProgram
@@ -36,6 +36,9 @@ class PlannedConstant:
     shape: List[int]
     nbytes: int  # the storage's bytes: what the blob holds for it on a GPU
     methods: List[str]  # the methods whose graphs read it
+    # the methods that write it in place (a buffer that is state, e.g. a KV pool in the "buffer" layout): its
+    # value in the blob is the state's start, and a runtime that shares constants by name shares the state
+    mutated_by: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -81,29 +84,25 @@ def _same_value(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def plan_constants(programs: Mapping[str, ExportedProgram]) -> ConstantPlan:
     """The constants that every method's ``.so`` should carry, in one order: each constant some method's graph
-    reads, in the order the methods (then their signatures) first read it; without buffers a method mutates
-    and names whose values differ between methods (those stay each method's own, listed in ``private``)."""
-    mutated: Dict[str, str] = {}
-    for method, program in programs.items():
-        placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-        for spec in program.graph_signature.input_specs:
-            node = placeholders.get(getattr(spec.arg, "name", None))
-            if spec.kind in _STATE_KINDS and node is not None and state_writer(program, spec, node) is not None:
-                mutated.setdefault(spec.target, method)
+    reads, in the order the methods (then their signatures) first read it; without names whose values differ
+    between methods (those stay each method's own, listed in ``private``).
+
+    A buffer a method writes in place is state, and it is planned like a weight: the methods of one unit that
+    hold a buffer under one name hold one tensor in eager PyTorch (LingBot-VA's KV pool in the "buffer" layout),
+    and a runtime that shares constants by name (ExecuTorch's ``weight_sharing_across_methods``, zoo.runner's
+    backends) gives them one copy only when their constant tables are the same."""
+    mutated = _mutated_by(programs)
     planned: Dict[str, PlannedConstant] = {}
     values: Dict[str, torch.Tensor] = {}
     private: Dict[str, str] = {}
     for method, program in programs.items():
         for fqn, kind, value in _read_state(program):
-            if fqn in mutated:
-                private[fqn] = f"buffer mutated by {mutated[fqn]}: each method keeps its own state"
-                continue
             if fqn in private:
                 continue
             if fqn not in planned:
                 planned[fqn] = PlannedConstant(fqn=fqn, kind=kind, dtype=str(value.dtype).replace("torch.", ""),
                                                shape=list(value.shape), nbytes=_storage_bytes(value),
-                                               methods=[method])
+                                               methods=[method], mutated_by=mutated.get(fqn, []))
                 values[fqn] = value
             elif _same_value(values[fqn], value):
                 planned[fqn].methods.append(method)
@@ -126,6 +125,23 @@ def plan_constants(programs: Mapping[str, ExportedProgram]) -> ConstantPlan:
                 continue
             del planned[fqn], values[fqn]
     return ConstantPlan(constants=list(planned.values()), private=private)
+
+
+def written_state(programs: Mapping[str, ExportedProgram]) -> List[str]:
+    """The state tensors (buffers) some of ``programs`` write in place, by name."""
+    return sorted(_mutated_by(programs))
+
+
+def _mutated_by(programs: Mapping[str, ExportedProgram]) -> Dict[str, List[str]]:
+    """Each state tensor some method writes in place: its name -> the methods that write it."""
+    mutated: Dict[str, List[str]] = {}
+    for method, program in programs.items():
+        placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+        for spec in program.graph_signature.input_specs:
+            node = placeholders.get(getattr(spec.arg, "name", None))
+            if spec.kind in _STATE_KINDS and node is not None and state_writer(program, spec, node) is not None:
+                mutated.setdefault(spec.target, []).append(method)
+    return mutated
 
 
 def _storage_bytes(value: torch.Tensor) -> int:
@@ -153,11 +169,14 @@ def read_constants(program: ExportedProgram) -> Dict[str, int]:
     return {fqn: _storage_bytes(value) for fqn, _, value in _read_state(program)}
 
 
-def sharing_groups(reads: Mapping[str, Mapping[str, int]], min_share: float = GROUP_MIN_SHARE) -> List[List[str]]:
+def sharing_groups(reads: Mapping[str, Mapping[str, int]], min_share: float = GROUP_MIN_SHARE,
+                   state: Iterable[str] = ()) -> List[List[str]]:
     """The methods (``reads``: each method's ``read_constants``) in groups that each get one constant table.
 
     Two methods are linked when the constants both read, by name, make up at least ``min_share`` of the bytes
-    the smaller of the two reads; a group is a set of linked methods (transitively), in the methods' order.
+    the smaller of the two reads, or when both read a buffer of ``state`` (a buffer some method writes: its one
+    copy across methods needs one table, see ``plan_decision``); a group is a set of linked methods
+    (transitively), in the methods' order.
     One table for a whole unit would make every method's ``.so`` carry every other method's weights: LingBot-VA's
     streaming VAE encodes and its transformer steps read disjoint weights, so with one table for all four methods
     the plan does not pay, and the transformer steps lost their shared copy too. Grouped, the two steps share
@@ -172,11 +191,13 @@ def sharing_groups(reads: Mapping[str, Mapping[str, int]], min_share: float = GR
         return m
 
     totals = {m: sum(reads[m].values()) for m in methods}
+    state = set(state)
     for i, a in enumerate(methods):
         for b in methods[i + 1:]:
             shared = sum(n for fqn, n in reads[a].items() if fqn in reads[b])
             smaller = min(totals[a], totals[b])
-            if smaller and shared >= min_share * smaller and root(a) != root(b):
+            linked = (smaller and shared >= min_share * smaller) or any(f in reads[b] for f in state & set(reads[a]))
+            if linked and root(a) != root(b):
                 parent[root(b)] = root(a)
     groups: Dict[str, List[str]] = {}
     for m in methods:
@@ -202,12 +223,23 @@ def plans_decision(plans: Sequence[Tuple[List[str], ConstantPlan]]) -> Dict[str,
 
 
 def plan_decision(plan: ConstantPlan, methods: int) -> Dict[str, Any]:
-    """Whether the methods get the shared constant table, and why (``PLAN_MAX_GPU_GROWTH``)."""
+    """Whether the methods get the shared constant table, and why (``PLAN_MAX_GPU_GROWTH``).
+
+    A table with state several methods hold (a buffer one of them writes) is applied whatever it costs: ExecuTorch's
+    CUDA backend shares a method's constants, that state included, only when every one of them is on the GPU
+    already, that is, only for methods of one table; without it each method would keep its own copy of the state."""
     growth = plan.gpu_growth(methods)
     record = {"applied": False, "constants": len(plan.constants), "bytes": plan.nbytes,
               "read_bytes": plan.read_nbytes, "gpu_growth": round(growth, 4), "private": dict(plan.private)}
+    state = [c.fqn for c in plan.constants if c.mutated_by and len(c.methods) > 1]
     if methods < 2 or not plan.constants:
         record["why"] = "one method: nothing to share" if methods < 2 else "no constant is shared"
+    elif state:
+        record["applied"] = True
+        record["why"] = (f"{len(plan.constants)} constants, {plan.nbytes / 2**20:.1f} MiB in every method's .so, "
+                         f"applied for the state the methods share ({', '.join(state[:4])}"
+                         f"{', ...' if len(state) > 4 else ''}) whatever it costs ({growth:+.1%} GPU memory on "
+                         "runtimes that load each method's blob)")
     elif growth > PLAN_MAX_GPU_GROWTH:
         record["why"] = (f"not applied: the methods read mostly different weights; one table for all would take "
                          f"{growth:.0%} more GPU memory on runtimes that load each method's blob (limit "

@@ -25,7 +25,8 @@ from zoo.core.progress import Progress
 from zoo.core.progress import say as default_say
 from zoo.export.lower import compile_settings
 from zoo.export.lower.kept_parts import PartStore
-from zoo.export.lower.constant_plan import ConstantPlan, plan_constants, plans_decision, read_constants, sharing_groups
+from zoo.export.lower.constant_plan import (ConstantPlan, plan_constants, plans_decision, read_constants,
+                                           sharing_groups, written_state)
 from zoo.export.lower.method_lowering import CUDA_LOWERING, MethodLowering
 from zoo.export.lower.outputs import (LoweringResult, clean_work_folder, program_files, weights_record,
                                       write_artifacts)
@@ -135,7 +136,8 @@ def plan_tables(programs: Mapping[str, ExportedProgram]) -> ConstantTables:
     """One constant table per group of methods that read mostly the same weights, applied where it costs little
     GPU memory (``constant_plan.plans_decision``)."""
     reads = {m: read_constants(p) for m, p in programs.items()}
-    plans = [(group, plan_constants({m: programs[m] for m in group})) for group in sharing_groups(reads)]
+    groups = sharing_groups(reads, state=written_state(programs))
+    plans = [(group, plan_constants({m: programs[m] for m in group})) for group in groups]
     decision = plans_decision(plans)
     method_plan = {m: plan for (group, plan), record in zip(plans, decision["groups"]) if record["applied"]
                    for m in group}

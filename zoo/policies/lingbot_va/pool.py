@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
+from zoo.contract.host_settings import pool_buffer_names
 from zoo.policies.lingbot_va.prompt_kv import prompt_free
 
 
@@ -18,11 +19,15 @@ KV_POOL_LAYOUTS = ("io", "buffer")
 _NO_EAGER_CACHE = "zoo_kv_pool"
 
 
+# The pools of one call: a stacked [layers, ...] tensor ("io" layout) or one [B, T, H, D] buffer per layer
+# ("buffer" layout); ``pools[layer]`` is that layer's pool either way.
+Pools = Union[torch.Tensor, Sequence[torch.Tensor]]
+
+
 class _StepCall:
     """What one step's self-attentions share: slots to write, the attention mask, and the pools."""
 
-    def __init__(self, slots: torch.Tensor, visible: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                 in_place: bool):
+    def __init__(self, slots: torch.Tensor, visible: torch.Tensor, k_pool: Pools, v_pool: Pools, in_place: bool):
         self.slots = slots
         self.k_pool = k_pool
         self.v_pool = v_pool
@@ -39,15 +44,22 @@ class PoolStep(torch.nn.Module):
 
     ``transformer`` is LeRobot's ``WanTransformer3DModel`` (shared between the video and action units).
     Layout ``"io"``: ``forward(noisy_latents, timesteps, grid_id, text_emb, slots, visible, k_pool, v_pool) ->
-    (pred, k_pool_next, v_pool_next)``. Layout ``"buffer"``: the pools are this module's buffers, updated in
-    place, and ``forward(noisy_latents, timesteps, grid_id, text_emb, slots, visible) -> pred``.
+    (pred, k_pool_next, v_pool_next)``. Layout ``"buffer"``: the pools are this module's buffers, one K and one V
+    per layer (``k_pool_<layer>``, ``v_pool_<layer>``: ``pool_buffer_names``), updated in place, and
+    ``forward(noisy_latents, timesteps, grid_id, text_emb, slots, visible) -> pred``.
+
+    Why one buffer per layer, not one stacked ``[layers, ...]`` buffer: Inductor (torch 2.11) compiles an in-place
+    write into a view of a buffer (``k_pool[layer].index_copy_``) as a copy of the whole layer, the scatter into
+    that copy, and a rewrite of the whole stacked buffer from the copies (``select_scatter``, the ``stack``
+    kernels of the "io" layout); written directly into a buffer of its own, the same ``index_copy_`` becomes a
+    scatter of the new slots in place. Read off Inductor's generated code, docs/host-loops.md.
 
     ``slots``: int64 ``[L]``, distinct pool indices receiving this step's K/V. ``visible``: bool ``[T_pool]``,
     the slots holding valid K/V from earlier steps (the new slots are added by the unit itself).
     """
 
     def __init__(self, transformer: torch.nn.Module, action_mode: bool, kv_pool: str,
-                 shared_pools: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
+                 shared_pools: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = None):
         super().__init__()
         if kv_pool not in KV_POOL_LAYOUTS:
             raise ValueError(f"kv_pool must be one of {KV_POOL_LAYOUTS}, got {kv_pool!r}")
@@ -58,9 +70,16 @@ class PoolStep(torch.nn.Module):
         self.kv_pool = kv_pool
         if shared_pools is not None:
             # The same tensors are registered in both streams' units, so eager calls share one pool the way
-            # LeRobot's cache does; an exported program keeps its own copy of each buffer.
-            self.register_buffer("k_pool", shared_pools[0])
-            self.register_buffer("v_pool", shared_pools[1])
+            # LeRobot's cache does; an exported program holds its own copy, which the runtimes share by name.
+            k_layers, v_layers = shared_pools
+            names = pool_buffer_names(len(k_layers))
+            for name, tensor in zip(names, [t for pair in zip(k_layers, v_layers) for t in pair]):
+                self.register_buffer(name, tensor)
+
+    def pool_layers(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """Layout ``"buffer"``: the K and the V buffer of each layer, in layer order."""
+        names = pool_buffer_names(len(self.transformer.blocks))
+        return [self.get_buffer(n) for n in names[0::2]], [self.get_buffer(n) for n in names[1::2]]
 
     def forward(self, noisy_latents: torch.Tensor, timesteps: torch.Tensor, grid_id: torch.Tensor,
                 text_emb: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
@@ -70,7 +89,7 @@ class PoolStep(torch.nn.Module):
 
     def _step(self, inputs, slots, visible, k_pool, v_pool):
         if self.kv_pool == "buffer":
-            call = _StepCall(slots, visible, self.k_pool, self.v_pool, in_place=True)
+            call = _StepCall(slots, visible, *self.pool_layers(), in_place=True)
         else:
             call = _StepCall(slots, visible, k_pool, v_pool, in_place=False)
         with self._pool_attention(call):
@@ -100,7 +119,7 @@ class PromptFreePoolStep(PoolStep):
     v_pool])``, the rest as ``PoolStep``. Its transformer is a view of LeRobot's without the prompt's weights."""
 
     def __init__(self, transformer: torch.nn.Module, action_mode: bool, kv_pool: str,
-                 shared_pools: Optional[Tuple[torch.Tensor, torch.Tensor]] = None):
+                 shared_pools: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = None):
         view, prompt = prompt_free(transformer)
         super().__init__(view, action_mode, kv_pool, shared_pools)
         self._prompt = prompt
@@ -120,16 +139,17 @@ class PromptFreePoolStep(PoolStep):
 
 # LeRobot's ``WanAttention`` keeps its KV cache in Python dicts and picks slots with ``nonzero`` and
 # data-dependent eviction (``lingbot_va/utils.py:585-632``). Here the cache is a zero-initialised pool
-# ``[layers, B, T_pool, heads, head_dim]``: each step writes its new K/V with ``index_copy_`` at slots the host
-# chose (``zoo.runner.slots.HostSlotAllocator``) and attends over the whole pool under a bool mask. This equals
-# LeRobot's attention over ``[valid slots] ∪ [new tokens]`` because softmax is permutation invariant over keys and
-# a masked key contributes exactly zero, as long as masked slots hold finite values (hence zeros, never
-# ``torch.empty``). RoPE is applied to K before it is stored, in both. Only each self-attention's ``attn_op`` is
-# swapped for the pool attention, during a call.
+# ``[layers, B, T_pool, heads, head_dim]`` (in the "buffer" layout one buffer per layer): each step writes its
+# new K/V with ``index_copy_`` at slots the host chose (``zoo.runner.slots.HostSlotAllocator``) and attends over
+# the whole pool under a bool mask. This equals LeRobot's attention over ``[valid slots] ∪ [new tokens]`` because
+# softmax is permutation invariant over keys and a masked key contributes exactly zero, as long as masked slots
+# hold finite values (hence zeros, never ``torch.empty``; stale K/V of an earlier episode are finite too). RoPE
+# is applied to K before it is stored, in both. Only each self-attention's ``attn_op`` is swapped for the pool
+# attention, during a call.
 def _pool_attention(call: _StepCall, layer: int, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor) -> torch.Tensor:
     """Replacement for ``WanAttention.attn_op`` (``custom_sdpa``): ``[B, L, H, D]`` in and out, K already roped."""
-    if call.in_place:
+    if call.in_place:  # straight into the layer's own buffer: a scatter of the new slots, nothing copied
         k_layer, v_layer = call.k_pool[layer], call.v_pool[layer]
         k_layer.index_copy_(1, call.slots, key)
         v_layer.index_copy_(1, call.slots, value)
@@ -146,8 +166,12 @@ def _pool_attention(call: _StepCall, layer: int, query: torch.Tensor, key: torch
     return out.transpose(1, 2)
 
 
-def zero_pools(shape: Sequence[int], dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Fresh K and V pools. Zeros, not ``empty``: a masked slot still enters the attention kernel's arithmetic,
-    and NaN/Inf garbage there poisons every row (seen with bf16 ``torch.empty`` pools)."""
-    return torch.zeros(tuple(shape), dtype=dtype), torch.zeros(tuple(shape), dtype=dtype)
+def zero_pools(shape: Sequence[int], dtype: torch.dtype) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """Fresh K and V pools of ``shape`` ``[layers, B, T, H, D]`` as the "buffer" layout holds them: one
+    ``[B, T, H, D]`` tensor per layer for K and for V. Zeros, not ``empty``: a masked slot still enters the
+    attention kernel's arithmetic, and NaN/Inf garbage there poisons every row (seen with bf16 ``torch.empty``
+    pools)."""
+    layers, per_layer = int(shape[0]), tuple(shape[1:])
+    return ([torch.zeros(per_layer, dtype=dtype) for _ in range(layers)],
+            [torch.zeros(per_layer, dtype=dtype) for _ in range(layers)])
 
