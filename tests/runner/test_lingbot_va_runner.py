@@ -80,12 +80,27 @@ def runner_for(run_dir, prompt_file):
 
 
 def test_policy_check_three_chunks(run, prompt_file, observations, expected):
-    result = compare_episode(runner_for(run[0], prompt_file), expected, observations, seed=0)
-    assert [(r.chunk, r.steps) for r in result.rows] == [(1, 12), (2, 16), (3, 16), (4, 1)], result.table()
-    assert result.ok, result.table()
+    """The recipe's run against LeRobot's select_action. Its DiT steps take the prompt's cross-attention K/V from
+    ``prompt_kv``, which LeRobot computes in every call: the runner makes them once for the episode."""
+    steps = RunFolder(run[0]).read_io_spec().methods["action_step"]
+    assert {"text_k", "text_v"} <= {s.name for s in steps.inputs} and "text_emb" not in {s.name for s in steps.inputs}
+    calls = _episode_calls(run[0], prompt_file, observations, expected)
+    assert calls.count("prompt_kv") == 1 and calls.count("action_step") > 20, sorted(set(calls))
     # Not a constant: the chunks differ (new noise, new observations fed back).
     first, second = torch.stack(expected[:12]), torch.stack(expected[12:24])
     assert float((first - second).norm() / first.norm()) > 1e-2
+
+
+def _episode_calls(run_dir, prompt_file, observations, expected):
+    """The policy check of one episode on ``run_dir``, and the methods the runner called, in order."""
+    runner = runner_for(run_dir, prompt_file)
+    calls = []
+    call = runner.backend.call
+    runner.backend.call = lambda method, **inputs: calls.append(method) or call(method, **inputs)
+    result = compare_episode(runner, expected, observations, seed=0)
+    assert [(r.chunk, r.steps) for r in result.rows] == [(1, 12), (2, 16), (3, 16), (4, 1)], result.table()
+    assert result.ok, result.table()
+    return calls
 
 
 def broken_run(run_dir, dest):
@@ -133,27 +148,7 @@ def test_prompt_without_negative_is_refused_under_cfg(run, prompt_file, observat
         runner.select_action(observations[0])
 
 
-def _episode_calls(run_dir, prompt_file, observations, expected):
-    """The policy check of one episode on ``run_dir``, and the methods the runner called, in order."""
-    runner = runner_for(run_dir, prompt_file)
-    calls = []
-    call = runner.backend.call
-    runner.backend.call = lambda method, **inputs: calls.append(method) or call(method, **inputs)
-    result = compare_episode(runner, expected, observations, seed=0)
-    assert [(r.chunk, r.steps) for r in result.rows] == [(1, 12), (2, 16), (3, 16), (4, 1)], result.table()
-    assert result.ok, result.table()
-    return calls
-
-
-def test_the_recipe_makes_the_prompts_k_v_once_an_episode(run, prompt_file, observations, expected):
-    """The recipe's DiT steps take the prompt's cross-attention K/V from ``prompt_kv``: the actions match LeRobot's,
-    which computes them in every call, and the runner makes them once for the episode."""
-    steps = RunFolder(run[0]).read_io_spec().methods["action_step"]
-    assert {"text_k", "text_v"} <= {s.name for s in steps.inputs} and "text_emb" not in {s.name for s in steps.inputs}
-    calls = _episode_calls(run[0], prompt_file, observations, expected)
-    assert calls.count("prompt_kv") == 1 and calls.count("action_step") > 20, sorted(set(calls))
-
-
+@pytest.mark.e2e  # a second tiny export and episode; the steps themselves: tests/policies/test_lingbot_va.py
 def test_a_run_whose_steps_take_the_prompt_embedding_matches_lerobot(shared_cache, prompt_file, observations,
                                                                      expected):
     """Without prompt_kv the DiT steps take the prompt's embedding and compute its K/V in every call, as LeRobot's
