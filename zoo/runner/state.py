@@ -19,6 +19,7 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Node
 
 from zoo.core.errors import RunnerError
+from zoo.runtimes.aoti import separate_copies
 
 
 def _aliases_written(node: Node) -> bool:
@@ -94,16 +95,5 @@ class SharedBuffers:
 
     def unshared(self, modules: Mapping[str, torch.nn.Module], names: Iterable[str]) -> Dict[str, str]:
         """Of ``names``, each one the ``modules`` do not all hold as one tensor: name -> why."""
-        problems: Dict[str, str] = {}
-        for name in names:
-            held = {}
-            for method, module in modules.items():
-                try:
-                    held[method] = module.get_buffer(name)
-                except AttributeError:
-                    problems[name] = f"method {method!r} holds no buffer {name!r}"
-                    break
-            else:
-                if len({id(t) for t in held.values()}) > 1:
-                    problems[name] = f"methods {sorted(held)} hold separate copies"
-        return problems
+        return separate_copies({method: dict(module.named_buffers()) for method, module in modules.items()}, names,
+                               "buffer")

@@ -125,15 +125,22 @@ class SharedConstants:
 
     def unshared(self, containers: Mapping[str, Any], names: Iterable[str]) -> Dict[str, str]:
         """Of ``names`` (original FQNs), each one the ``containers`` do not all read from one tensor: name -> why."""
-        problems: Dict[str, str] = {}
-        maps = {method: container.extract_constants_map(False) for method, container in containers.items()}
-        for name in names:
-            missing = [m for m, constants in maps.items() if name not in constants]
-            if missing:
-                problems[name] = f"method {missing[0]!r}'s .so has no constant {name!r}"
-            elif len({constants[name].data_ptr() for constants in maps.values()}) > 1:
-                problems[name] = f"methods {sorted(maps)} hold separate copies"
-        return problems
+        held = {method: container.extract_constants_map(False) for method, container in containers.items()}
+        return separate_copies(held, names, "constant")
+
+
+def separate_copies(held: Mapping[str, Mapping[str, torch.Tensor]], names: Iterable[str],
+                    what: str) -> Dict[str, str]:
+    """Of ``names``, each one the methods do not all hold in one memory (``held``: method -> {name: tensor}):
+    name -> why. ``what`` names the kind of value in the message (a constant of a ``.so``, a module's buffer)."""
+    problems: Dict[str, str] = {}
+    for name in names:
+        missing = [method for method, tensors in held.items() if name not in tensors]
+        if missing:
+            problems[name] = f"method {missing[0]!r} holds no {what} {name!r}"
+        elif len({tensors[name].data_ptr() for tensors in held.values()}) > 1:
+            problems[name] = f"methods {sorted(held)} hold separate copies"
+    return problems
 
 
 def cuda_device(device: Union[str, torch.device] = "cuda") -> Device:
