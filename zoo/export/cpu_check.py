@@ -127,11 +127,7 @@ def _shared_modules(programs: Dict[str, ExportedProgram]) -> Dict[str, torch.nn.
     """The programs as modules, the buffers they write one tensor per name across them, as every runtime shares
     them (zoo.runner.state): the unit's own methods share those buffers in eager PyTorch."""
     shared = SharedBuffers()
-    modules = {}
-    for method, program in programs.items():
-        modules[method] = program.module()
-        shared.adopt(modules[method], program)
-    return modules
+    return {method: shared.module_of(program) for method, program in programs.items()}
 
 
 def draw_inputs(unit: ExportUnit, methods: Sequence[str], sizes: Dict[str, int], seed: int):

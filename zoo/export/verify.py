@@ -289,10 +289,7 @@ def _eager_module(path: Path, device: str, shared: Optional[SharedBuffers] = Non
         from torch.export.passes import move_to_device_pass
 
         program = move_to_device_pass(program, device)
-    module = program.module()
-    if shared is not None:
-        shared.adopt(module, program)
-    return module
+    return shared.module_of(program) if shared is not None else program.module()
 
 
 def eager_modules(run: RunFolder, kind: str, methods: Sequence[str], device: str) -> Dict[str, Any]:

@@ -121,9 +121,7 @@ class EagerBackend(Backend):
             program = self.run.load_program("rewritten", method)
             if self.device.type != "cpu":
                 program = move_to_device_pass(program, str(self.device))
-            module = program.module()
-            self.shared.adopt(module, program)
-            self._modules[method] = module
+            self._modules[method] = self.shared.module_of(program)
         return self._modules[method]
 
     def sharing_problem(self, methods: Sequence[str], buffers: Sequence[str]) -> Optional[str]:

@@ -83,6 +83,12 @@ class SharedBuffers:
             for holder in self.holders.get(name, []):
                 self._point(holder, name, self.tensors[name])
 
+    def module_of(self, program: ExportedProgram) -> torch.nn.Module:
+        """``program`` as a module, adopted: how every loader of a run's programs makes one."""
+        module = program.module()
+        self.adopt(module, program)
+        return module
+
     def _point(self, module: torch.nn.Module, name: str, tensor: torch.Tensor) -> None:
         own = module.get_buffer(name)
         if own is tensor:
