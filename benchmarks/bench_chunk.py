@@ -22,6 +22,7 @@ import torch
 
 from zoo import bench, policies
 from zoo.bench import roofline
+from zoo.bench.seeded import depth_overrides
 from zoo.bench.chunk import (POLICIES, TARGETS, check_passed, checked_here, policy_check, policy_source,
                              record_timings, refuse_unverified, say, time_candidates)
 from zoo.bench.chunk_tables import policy_check_section, ratio_lines, table_rows, write
@@ -74,13 +75,18 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
     """One policy's record in ``results``: lowered unless its run is there, then lowered only, checked only, or
     timed (and checked) as ``--only`` and ``--policy-check`` say. A failure is recorded and the next policy runs."""
     real, tiny = POLICIES[family]
-    recipe = load_recipe(tiny if args.tiny else real, args.set)
+    overrides = list(args.set)
+    if args.layers:
+        overrides += depth_overrides(family, load_recipe(tiny if args.tiny else real, overrides), args.layers)
+    recipe = load_recipe(tiny if args.tiny else real, overrides)
     work = out / family
     run = RunFolder(work / "run")
     record: Dict[str, Any] = {"policy": family, "recipe": recipe.name, "dtype": recipe.unit.dtype,
                               "methods": list(recipe.unit.methods), "candidates": {}}
-    if args.set:
-        record["overrides"] = list(args.set)
+    if args.layers:
+        record["layers"] = args.layers
+    if overrides:
+        record["overrides"] = overrides
     results["policies"].append(record)
     have = (run.program("rewritten", recipe.unit.methods[0]).is_file() if args.backend == "eager"
             else run.pte.is_file())
@@ -127,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                    help="recipe overrides, as python -m zoo.export takes them (with one policy), e.g. "
                         "'unit.methods=[prompt_kv,vae_encode_first,vae_encode,video_step,action_step]'")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="the policy's real width at N blocks per transformer (zoo.bench.seeded.depth_overrides): "
+                        "several lowerings fit one machine loan; not the policy's real latency")
     p.add_argument("--only", choices=("lower", "bench", "check"), default=None,
                    help="lower: build, export and lower only; bench: time an already-lowered run only; check: "
                         "the policy check of an already-lowered run only")
@@ -163,7 +172,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.chunks < 3:
         raise SystemExit("--chunks must be >= 3: chunks 2..N are timed and the first two set the chunk length")
     if (args.record is not None and args.record.resolve() == chunk_latency.MEASURED_JSON
-            and (args.tiny or args.backend != "artifact" or torch.device(args.device).type != "cuda")):
+            and (args.tiny or args.layers or args.backend != "artifact" or torch.device(args.device).type != "cuda")):
         raise SystemExit(f"--record into {chunk_latency.MEASURED_JSON} takes only the artifact runner on a GPU at "
                          "real size (model cards quote it); give --record another file for this run")
     out = args.out.expanduser().resolve()
@@ -177,7 +186,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     results: Dict[str, Any] = {"command": command, "environment": bench.environment(args.device),
                                "settings": {"chunks": args.chunks, "episodes": args.episodes, "seed": args.seed,
                                             "backend": args.backend, "tiny": args.tiny, "seeded": args.seeded,
-                                            "only": args.only,
+                                            "only": args.only, "layers": args.layers,
                                             "policy_check": args.policy_check or args.only == "check"},
                                "targets": TARGETS, "policies": []}
     if measured_rates:

@@ -30,7 +30,8 @@ def table_rows(results: Dict[str, Any]) -> List[List[str]]:
             c = r["candidates"].get(name)
             if c is None:
                 continue
-            rows.append([f"{r['policy']} ({r['dtype']}, {r['actions_per_chunk']} actions)", name] + _cells(c))
+            depth = f", {r['layers']} layers" if r.get("layers") else ""
+            rows.append([f"{r['policy']} ({r['dtype']}, {r['actions_per_chunk']} actions{depth})", name] + _cells(c))
     return rows
 
 

@@ -8,6 +8,7 @@ with parameters on meta, filled with seeded values in the unit's dtype (``fast_i
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -114,6 +115,20 @@ def fast_wam_config(recipe):
     # base_model_id=None: otherwise default-sized dims point pretrained_path at lerobot/fastwam_base (12 GB).
     fields.update(base_model_id=None, torch_dtype=recipe.unit.dtype, device="cpu")
     return FastWAMConfig(**fields)
+
+
+def depth_overrides(family: str, recipe, layers: int) -> List[str]:
+    """Recipe overrides that keep a policy's real width at ``layers`` blocks per transformer. Several lowerings of
+    one policy then fit one machine loan (a lever's before and after, side by side); what a block costs is the
+    same, so per-block savings carry over, while the floor and every fixed per-call cost do not scale."""
+    if layers < 1:
+        raise ValueError(f"layers must be >= 1, not {layers}")
+    if family == "lingbot_va":
+        return [f"unit.options.policy_config.num_layers={layers}"]
+    # Fast-WAM's two DiT configs are whole dicts: an override replaces one, so each is given in full.
+    config = fast_wam_config(recipe)
+    return [f"unit.options.fabricate_config.{key}={json.dumps({**dict(getattr(config, key)), 'num_layers': layers})}"
+            for key in ("video_dit_config", "action_dit_config")]
 
 
 def write_seeded_processors(family: str, config, folder: Path, seed: int) -> None:
