@@ -2,7 +2,7 @@
 # Levers measured side by side on one GPU box: the baseline and each lever lowered at once, then timed and
 # policy-checked one after the other, alone on the GPU, and put in one table (benchmarks/lever_table.py):
 #
-#   tools/gpu_levers.sh WORK POLICY [--layers N] [--set OVERRIDE ...] --lever NAME=OVERRIDE [--lever ...]
+#   tools/gpu_levers.sh WORK POLICY [--layers N] [--no-pytorch] [--set OVERRIDE ...] --lever NAME=OVERRIDE ...
 #
 # WORK: a folder tools/gpu_background.sh set up (WORK/env.sh; its runtime job builds zoo_runner, which the
 # executorch candidate and the policy check use). POLICY: lingbot_va or fast_wam. --layers: the real width at N
@@ -10,17 +10,18 @@
 # variant takes. --lever: a named variant's override; a name given twice takes both.
 # Each variant's bench_chunk output goes to WORK/levers/NAME, the table to WORK/levers/levers.md. Only the
 # baseline times the strong PyTorch candidate (it compiles each variant's own programs, so it would carry the
-# lever too). Nothing here waits for the jobs: tools/gpu_jobs.sh wait WORK SECONDS levers-table.
+# lever too); --no-pytorch leaves it out (its compile is the longest part of a bench). Nothing here waits for the jobs: tools/gpu_jobs.sh wait WORK SECONDS levers-table.
 set -uo pipefail
 usage() { sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 2 ] || usage
 WORK="$(cd "$1" && pwd)"; POLICY="$2"; shift 2
 [ -f "$WORK/env.sh" ] || { echo "gpu_levers: $WORK/env.sh is missing: run tools/gpu_background.sh first" >&2; exit 2; }
-COMMON=(); NAMES=(base); declare -A LEVER; LAYERS=
+COMMON=(); NAMES=(base); declare -A LEVER; LAYERS=""; PYTORCH=" --pytorch"
 while [ $# -gt 0 ]; do
   case "$1" in
     --set) COMMON+=("$2"); shift 2 ;;
     --layers) LAYERS=" --layers $2"; shift 2 ;;
+    --no-pytorch) PYTORCH=""; shift ;;
     --lever)
       name="${2%%=*}"; override="${2#*=}"
       [ -n "$name" ] && [ "$name" != "$2" ] && [ "$name" != base ] || {
@@ -49,7 +50,7 @@ done
 previous="$(IFS=,; echo "${lowers[*]}"),runtime"
 [ -d "$WORK/jobs/runtime" ] || previous="$(IFS=,; echo "${lowers[*]}")"
 for v in "${NAMES[@]}"; do
-  extra=""; [ "$v" = base ] && extra=" --pytorch"
+  extra=""; [ "$v" = base ] && extra="$PYTORCH"
   "$J" start "$WORK" "levers-bench-$v" --after "$previous" --limit 900 -- bash -c \
     "$(bench "$v" --only bench --executorch --no-compile --episodes 1 --chunks 3)$extra"
   "$J" start "$WORK" "levers-check-$v" --after "levers-bench-$v" --limit 600 -- bash -c \
