@@ -5,13 +5,17 @@ from a checkpoint folder (the processor pipelines) sits in the run's ``processor
 (``run``: a run folder or a published Hub repo id) and the backend, and points LeRobot's ``pretrained_path`` at the
 run's ``processors/``: LeRobot's own ``make_pre_post_processors`` then loads the run's pipelines with the overrides
 the command line gives (``--rename_map``, the device), exactly as for a checkpoint of its own.
+
+``python -m lerobot_policy_zoo.policy_folder RUN OUT`` writes such a config as a LeRobot policy folder (its
+``config.json`` beside a copy of the run's processor files), for the tools that name a policy by ``--policy.path``;
+read back from there, ``pretrained_path`` is that folder, so its processors are the ones loaded.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Union
 
 from lerobot.configs.policies import PreTrainedConfig
 from lerobot.configs.types import FeatureType, PolicyFeature
@@ -77,7 +81,21 @@ class ZooConfig(PreTrainedConfig):
                                  "folder of `python -m zoo.export`) or --policy.run=ORG/NAME (a published artifact)")
         if not self.image_features:
             raise ZooConfigError(f"the run {self.run} declares no camera input (observation_features in its "
-                                 "host_settings.json)", "export the run again with this zoo")
+                                 "host_settings.json): export the run again with this zoo")
+
+    @classmethod
+    def from_pretrained(cls, pretrained_name_or_path: Union[str, Path], **kwargs: Any) -> "ZooConfig":
+        """The config of a policy folder (``python -m lerobot_policy_zoo.policy_folder``, local or a Hub repo id),
+        its processors to be loaded from that folder, as lerobot-eval and lerobot-rollout point
+        ``pretrained_path`` at their ``--policy.path``."""
+        config = super().from_pretrained(pretrained_name_or_path, **kwargs)
+        if not isinstance(config, ZooConfig):
+            raise ZooConfigError(f"{pretrained_name_or_path} holds a LeRobot policy of type {config.type!r}, not a "
+                                 "zoo policy: name it with its own --policy.path, or write a zoo policy folder "
+                                 "with `python -m lerobot_policy_zoo.policy_folder RUN OUT`")
+        local = Path(pretrained_name_or_path).expanduser()
+        config.pretrained_path = local if local.is_dir() else Path(str(pretrained_name_or_path))
+        return config
 
 
 def _resolve(run: str):

@@ -65,9 +65,9 @@ class ZooPolicy(PreTrainedPolicy):
     @classmethod
     def from_pretrained(cls, pretrained_name_or_path: Union[str, Path], *, config: Optional[ZooConfig] = None,
                         **kwargs: Any) -> "ZooPolicy":
-        """A folder with the config.json of a zoo policy (``python -m lerobot_policy_zoo.folder``), or the run's
-        processors/ that ``--policy.type=zoo`` points ``pretrained_path`` at: no weights to read, the artifact has
-        them."""
+        """A policy folder (``python -m lerobot_policy_zoo.policy_folder``: the async policy server and any code
+        that names a policy by its folder), or, with ``config`` given, whatever its ``pretrained_path`` is
+        (lerobot-eval and lerobot-rollout read the config first): no weights to read, the artifact has them."""
         if config is None:
             hub = {k: kwargs[k] for k in ("revision", "cache_dir", "force_download", "token", "local_files_only")
                    if k in kwargs}
