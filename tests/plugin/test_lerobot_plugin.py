@@ -1,17 +1,23 @@
 """lerobot_policy_zoo, the LeRobot plugin: LeRobot discovers it once pip installed it, ``--policy.type=zoo`` builds a
 ``ZooPolicy`` whose actions through LeRobot's own processors equal LeRobot's own ``FastWAMPolicy`` from the same
 checkpoint (fast-wam-tiny, float32, eager backend), a task with no prompt file is embedded once with the
-checkpoint's own text encoder and reused, and bad configs are refused with what to pass.
+checkpoint's own text encoder and reused, and bad configs are refused with what to pass. The policy folder
+(`python -m lerobot_policy_zoo.policy_folder RUN OUT`), loaded the ways LeRobot's tools load a `--policy.path`,
+gives the actions of the `--policy.run` route and of LeRobot's own policy, with its own processor files (LeRobot's
+async policy server included, where its extra is installed); bad input is refused before anything is written.
 
 The whole simulated episodes (PushT, lerobot-eval itself) are tests/plugin/test_lerobot_closed_loop.py (e2e).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,10 +25,15 @@ import torch
 pytest.importorskip("lerobot")
 fast_wam = pytest.importorskip("zoo.policies.fast_wam.unit")
 
-from lerobot.policies.factory import make_pre_post_processors  # noqa: E402
+from lerobot.configs.policies import PreTrainedConfig  # noqa: E402
+from lerobot.configs.types import FeatureType, PolicyFeature  # noqa: E402
+from lerobot.envs.configs import PushtEnv  # noqa: E402
+from lerobot.policies.factory import get_policy_class, make_policy, make_pre_post_processors  # noqa: E402
 
 from lerobot_policy_zoo.configuration_zoo import ZooConfig, ZooConfigError  # noqa: E402
 from lerobot_policy_zoo.modeling_zoo import ZooPolicy, ZooPolicyError  # noqa: E402
+from lerobot_policy_zoo.policy_folder import main as policy_folder  # noqa: E402
+from lerobot_policy_zoo.processor_zoo import make_zoo_pre_post_processors  # noqa: E402
 from support.environment import REPO_ROOT  # noqa: E402
 from zoo.contract.recipes import load_recipe  # noqa: E402
 from zoo.contract.run_folder import RunFolder  # noqa: E402
@@ -141,3 +152,171 @@ def test_lerobot_discovers_the_installed_plugin(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[:3] == ["ZooConfig", "ZooPolicy", "make_zoo_pre_post_processors"]
     assert out.stdout.split()[3].startswith(str(target))  # the installed copy, not the source folder
+
+
+# --- the policy folder: what LeRobot's --policy.path names ------------------------------------------------------
+
+CPU = {"device_processor": {"device": "cpu"}}
+
+
+def tiny_env():
+    """An environment config with fast-wam-tiny's features, for make_policy's feature checks (lerobot-eval builds
+    the policy from its --env's features; no simulation is made)."""
+    env = PushtEnv()
+    env.features = {"action": PolicyFeature(type=FeatureType.ACTION, shape=(7,)),
+                    "pixels": PolicyFeature(type=FeatureType.VISUAL, shape=(64, 128, 3)),
+                    "agent_pos": PolicyFeature(type=FeatureType.STATE, shape=(8,))}
+    env.features_map = {"action": "action", "pixels": "observation.images.image", "agent_pos": "observation.state"}
+    return env
+
+
+def as_lerobot_eval(folder: Path):
+    """lerobot-eval's and lerobot-rollout's route: the config read from --policy.path, pretrained_path set to it,
+    the policy by make_policy, the processors from pretrained_path."""
+    config = PreTrainedConfig.from_pretrained(folder)
+    config.pretrained_path = folder
+    policy = make_policy(config, env_cfg=tiny_env()).eval()
+    pre, post = make_pre_post_processors(config, pretrained_path=config.pretrained_path,
+                                         preprocessor_overrides={**CPU, "rename_observations_processor":
+                                                                 {"rename_map": {}}})
+    return policy, pre, post
+
+
+def as_policy_server(folder: Path):
+    """The async policy server's route (SendPolicyInstructions): the class of the policy type, from_pretrained of
+    pretrained_name_or_path, the processors from the same path."""
+    policy = get_policy_class("zoo").from_pretrained(str(folder)).eval()
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(folder), preprocessor_overrides=CPU,
+                                         postprocessor_overrides=CPU)
+    return policy, pre, post
+
+
+def preprocessed_state(processors, obs) -> torch.Tensor:
+    return processors[0](dict(obs))["observation.state"]
+
+
+def test_the_policy_folder_gives_the_runs_actions_through_lerobots_loaders(run, lerobot, tmp_path, capsys):
+    """One chunk and the first action of the next, through the two ways LeRobot's tools load a --policy.path
+    folder, after the run's own processor statistics were changed (the folder's own are the ones used): equal to
+    the --policy.run route and to LeRobot's own FastWAMPolicy from the checkpoint. (Each zoo policy loads the
+    artifact's programs, 2.5 s on two cores: the plugin's own factory is checked on its processors only.)"""
+    run_dir = shutil.copytree(run[0], tmp_path / "run" / TINY)
+    fast_wam.embed_prompt(lerobot[0], TASK).save(RunFolder(run_dir).prompt_file(TASK))  # no second encoder build
+    obs = observations(CHUNK + 1)
+    want = episode(lerobot, obs)
+    by_run = episode(zoo_policy(run_dir), obs)
+
+    folder = tmp_path / "policy"
+    assert policy_folder([str(run_dir), str(folder)]) == 0
+    assert f"policy folder: {folder}" in capsys.readouterr().out
+    written = json.loads((folder / "config.json").read_text())
+    assert {k: written[k] for k in ("type", "run", "backend", "device", "pretrained_path")} == {
+        "type": "zoo", "run": str(run_dir.resolve()), "backend": "eager", "device": "cpu", "pretrained_path": None}
+    assert written["input_features"]["observation.images.image"] == {"type": "VISUAL", "shape": [3, 64, 128]}
+    assert written["output_features"] == {"action": {"type": "ACTION", "shape": [7]}}
+    processors = RunFolder(run_dir).processors_dir
+    assert sorted(p.name for p in folder.iterdir()) == sorted(["config.json"] + [p.name for p in processors.iterdir()])
+    for path in processors.iterdir():
+        assert (folder / path.name).read_bytes() == path.read_bytes()
+
+    shift_statistics(processors)  # the run's own processors now normalise otherwise; the folder's are unchanged
+    from_run = make_pre_post_processors(ZooConfig(run=str(run_dir), device="cpu"), pretrained_path=str(processors),
+                                        preprocessor_overrides=CPU)
+    config = ZooConfig.from_pretrained(folder)
+    assert Path(config.pretrained_path) == folder
+    plugin_factory = make_zoo_pre_post_processors(config)
+    assert torch.equal(preprocessed_state(plugin_factory, obs[0]), preprocessed_state(lerobot[1:], obs[0]))
+    assert not torch.equal(preprocessed_state(from_run, obs[0]), preprocessed_state(lerobot[1:], obs[0]))
+
+    routes = {route.__name__: episode(route(folder), obs) for route in (as_lerobot_eval, as_policy_server)}
+    assert float((by_run - want).norm() / want.norm()) <= 1e-5
+    for name, got in routes.items():
+        assert torch.equal(got, by_run), name
+
+
+def shift_statistics(processors: Path) -> None:
+    """Every normalisation statistic of the preprocessor in ``processors`` plus 1."""
+    from safetensors.torch import load_file, save_file
+
+    for path in processors.glob("policy_preprocessor_*.safetensors"):
+        save_file({k: v + 1 for k, v in load_file(str(path)).items()}, str(path))
+
+
+def test_bad_input_is_refused_and_nothing_is_written(run, tmp_path, capsys):
+    out = tmp_path / "policy"
+    not_a_run = tmp_path / "not-a-run"
+    not_a_run.mkdir()
+    (not_a_run / "notes.txt").write_text("a folder, but no zoo run")
+    assert policy_folder([str(not_a_run), str(out)]) == 2
+    assert "not-a-run is not a complete zoo run folder" in capsys.readouterr().err
+    assert not out.exists()
+
+    no_processors = tmp_path / "no-processors"
+    shutil.copytree(run[0], no_processors, ignore=shutil.ignore_patterns("processors", "*.pt2"))
+    assert policy_folder([str(no_processors), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "no-processors/processors is missing" in err and "what to do: export the run again" in err
+    assert not out.exists()
+
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert policy_folder([str(run[0]), str(out)]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert policy_folder([str(run[0]), str(run[0].parent), "--force"]) == 2
+    assert "would replace the run" in capsys.readouterr().err
+    assert policy_folder([str(run[0]), str(no_processors), "--force"]) == 2
+    assert "is a zoo run folder; a policy folder never replaces one" in capsys.readouterr().err
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no staging folder left behind
+
+    with pytest.raises(ZooConfigError, match="of type 'fastwam', not a zoo policy"):
+        ZooConfig.from_pretrained(run[1])  # LeRobot's own checkpoint folder
+
+
+def test_lerobots_policy_server_serves_the_policy_folder(run, lerobot, tmp_path, monkeypatch):
+    """LeRobot's own PolicyServer (its SendPolicyInstructions and _predict_action_chunk, as a robot client drives
+    them) serves the policy folder once `python -m lerobot_policy_zoo.policy_server` allowed type zoo; the chunk
+    equals LeRobot's own FastWAMPolicy's through the same server code. Skipped without LeRobot's async extra
+    (grpcio); about 3 s with it."""
+    pytest.importorskip("grpc", reason="LeRobot's async extra: pip install 'lerobot[async]==0.6.1'")
+    import pickle
+
+    monkeypatch.chdir(tmp_path)  # the server's module writes its log file into ./logs when imported
+
+    from lerobot.async_inference import policy_server
+    from lerobot.async_inference.configs import PolicyServerConfig
+    from lerobot.async_inference.helpers import RemotePolicyConfig, TimedObservation
+    from lerobot.transport import services_pb2
+
+    from lerobot_policy_zoo.policy_server import allow_zoo
+
+    run_dir = shutil.copytree(run[0], tmp_path / "run" / TINY)
+    fast_wam.embed_prompt(lerobot[0], TASK).save(RunFolder(run_dir).prompt_file(TASK))
+    assert policy_folder([str(run_dir), str(tmp_path / "policy")]) == 0
+    assert "zoo" not in policy_server.SUPPORTED_POLICIES
+    allow_zoo()
+    assert "zoo" in policy_server.SUPPORTED_POLICIES
+
+    state_names = [f"joint{i}" for i in range(8)]
+    features = {"observation.state": {"dtype": "float32", "shape": (8,), "names": state_names},
+                "observation.images.image": {"dtype": "image", "shape": (64, 128, 3),
+                                             "names": ["height", "width", "channels"]}}
+    g = torch.Generator().manual_seed(3)
+    raw = {**dict(zip(state_names, torch.randn(8, generator=g).tolist())), "task": TASK,
+           "image": (torch.rand(64, 128, 3, generator=g) * 255).to(torch.uint8).numpy()}
+    server = policy_server.PolicyServer(PolicyServerConfig())
+    setup = RemotePolicyConfig("zoo", str(tmp_path / "policy"), features, actions_per_chunk=CHUNK, device="cpu")
+    server.SendPolicyInstructions(services_pb2.PolicySetup(data=pickle.dumps(setup)), SimpleNamespace(peer=str))
+    assert isinstance(server.policy, ZooPolicy)
+
+    def served_chunk() -> torch.Tensor:
+        torch.manual_seed(0)
+        server.policy.reset()
+        timed = TimedObservation(timestamp=0.0, timestep=0, observation=dict(raw))
+        return torch.stack([a.get_action() for a in server._predict_action_chunk(timed)])
+
+    got = served_chunk()
+    server.policy, server.preprocessor, server.postprocessor = lerobot
+    want = served_chunk()
+    assert got.shape == want.shape == (CHUNK, 7)
+    assert float((got - want).norm() / want.norm()) <= 1e-5
