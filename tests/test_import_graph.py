@@ -66,6 +66,7 @@ PROGRAM_FOLDERS = ("scripts", "benchmarks", "tools")
 TESTS_LOADING_SCRIPTS = {
     "tests/test_bench.py": "runs benchmarks/bench_chunk.py as a program (its refusal to record a tiny run)",
     "tests/test_gpu_jobs.py": "runs tools/gpu_jobs.sh as a program (bash)",
+    "tests/test_levers.py": "runs benchmarks/lever_table.py as __main__ (runpy): its table, files and refusals",
     "tests/test_build_runtime.py": "runs scripts/build_runtime.sh as a program (bash), with stand-in tools",
     "tests/policies/test_bench_chunk_seeded.py": "runs benchmarks/bench_chunk.py as a program (the real-size "
                                                  "weights path at tiny size)",
