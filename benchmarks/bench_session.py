@@ -2,10 +2,12 @@
 
 A call writes each host input to a tensor file, sends one line down the pipe, and reads the outputs back from
 files. This times that round trip on a small portable program with the host inputs of a DiT step (slot indices,
-the pool's visibility mask, latents, grid ids, timesteps) and one output of the latents' size, twice in one run,
-the calls interleaved: each hand-over file written atomically (a temporary file, fsync, rename: how the session
-wrote them before) and written in place (how it writes them now). The program's own work is the same in both, so
-the difference is the write. Runs on the CPU; needs a built zoo_runner (scripts/build_runtime.sh).
+the pool's visibility mask, latents, grid ids, timesteps) and one output of the latents' size, the calls
+interleaved three ways: the same program run in this process by ExecuTorch's own Python bindings (no pipe, no
+files: what the process boundary costs is the difference), the session with its hand-over files written in
+place (how it writes them), and written atomically (a temporary file, fsync, rename: how it wrote them before).
+For the session it also gives the median of each part of a call (``CallTiming``). Runs on the CPU; needs a
+built zoo_runner (scripts/build_runtime.sh).
 
     python benchmarks/bench_session.py [--runner PATH] [--calls 200] [--work DIR]
 """
@@ -52,15 +54,22 @@ def build_program(folder: Path) -> Path:
     return folder / PTE_NAME
 
 
-def time_calls(pte: Path, runner: str, calls: int, work: Path) -> Dict[str, List[float]]:
-    """Wall ms per call for each way of writing the hand-over files, calls alternating between the two; each
-    call's output checked against eager's."""
+MODES = ("in process", "in place", "atomic")
+
+
+def time_calls(pte: Path, runner: str, calls: int, work: Path) -> Tuple[Dict[str, List[float]], Dict[str, list]]:
+    """Wall ms per call for each mode, calls alternating between them, each call's output checked against
+    eager's; and each session mode's ``CallTiming`` per call."""
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch
+
     inputs = step_inputs()
     want = Step()(*inputs)
-    times: Dict[str, List[float]] = {"atomic": [], "in place": []}
+    times: Dict[str, List[float]] = {mode: [] for mode in MODES}
+    parts: Dict[str, list] = {mode: [] for mode in MODES[1:]}
+    in_process = _load_for_executorch(str(pte))
     sessions = {mode: et_runtime.RuntimeSession(pte, None, executable=runner, require_cuda=False,
                                                 work_dir=work / mode.replace(" ", "-"))
-                for mode in times}
+                for mode in MODES[1:]}
     original = et_runtime.write_tensor
 
     def atomic(path, tensor, handover=False):  # whatever the session asks for
@@ -68,21 +77,31 @@ def time_calls(pte: Path, runner: str, calls: int, work: Path) -> Dict[str, List
 
     try:
         for n in range(calls + 10):
-            for mode, session in sessions.items():
+            for mode in MODES:
                 # The old behaviour, reproduced: every hand-over file written atomically, synced to the disk.
                 et_runtime.write_tensor = atomic if mode == "atomic" else original
                 start = time.perf_counter()
-                (got,) = session.call("step", inputs)
+                if mode == "in process":
+                    (got,) = in_process.run_method("step", inputs)
+                else:
+                    (got,) = sessions[mode].call("step", inputs)
                 elapsed = (time.perf_counter() - start) * 1e3
                 if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
-                    raise SystemExit(f"{mode}: the runner's output differs from eager's")
+                    raise SystemExit(f"{mode}: the runtime's output differs from eager's")
                 if n >= 10:  # the first calls warm the page cache and the runner
                     times[mode].append(elapsed)
+                    if mode in sessions:
+                        parts[mode].append(sessions[mode].last_call)
     finally:
         et_runtime.write_tensor = original
         for session in sessions.values():
             session.close()
-    return times
+    return times, parts
+
+
+def part_medians(timings: list) -> Dict[str, float]:
+    return {name: statistics.median(getattr(t, name) for t in timings)
+            for name in ("write", "execute", "runtime_io", "pipe", "read")}
 
 
 def main() -> int:
@@ -94,18 +113,23 @@ def main() -> int:
     runner = str(et_runtime.find_runner(args.runner))
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         pte = build_program(Path(tmp))
-        times = time_calls(pte, runner, args.calls, Path(tmp))
+        times, parts = time_calls(pte, runner, args.calls, Path(tmp))
     nbytes = sum(t.numel() * t.element_size() for t in step_inputs())
     print(f"{args.calls} calls each, 5 host inputs ({nbytes / 1024:.0f} KiB) and 1 output per call, "
           f"hand-over files in {args.work or tempfile.gettempdir()}")
-    print(f"{'hand-over files':<16} {'median ms':>9} {'p10 ms':>7} {'p90 ms':>7}")
+    print(f"{'call':<11} {'median ms':>9} {'p10 ms':>7} {'p90 ms':>7}  "
+          f"{'write':>6} {'execute':>7} {'rt I/O':>6} {'pipe':>6} {'read':>6}")
     medians = {}
     for mode, values in times.items():
         values.sort()
         medians[mode] = statistics.median(values)
-        print(f"{mode:<16} {medians[mode]:9.3f} {values[len(values) // 10]:7.3f} {values[len(values) * 9 // 10]:7.3f}")
-    print(f"atomic writes cost {medians['atomic'] - medians['in place']:.3f} ms per call "
-          f"(in place / atomic: {medians['in place'] / medians['atomic']:.2f}x)")
+        split = ("  " + " ".join(f"{v:>{w}.3f}" for v, w in zip(part_medians(parts[mode]).values(),
+                                                                 (6, 7, 6, 6, 6)))) if mode in parts else ""
+        print(f"{mode:<11} {medians[mode]:9.3f} {values[len(values) // 10]:7.3f} "
+              f"{values[len(values) * 9 // 10]:7.3f}{split}")
+    print(f"the process boundary costs {medians['in place'] - medians['in process']:.3f} ms per call "
+          f"(session / in process: {medians['in place'] / medians['in process']:.2f}x); atomic writes "
+          f"{medians['atomic'] - medians['in place']:.3f} ms more")
     return 0
 
 
