@@ -36,12 +36,14 @@ from zoo.export import stages as gpu_steps
 
 
 def lower_policy(family: str, recipe, run: RunFolder, checkpoint: Path, weights: Callable, device: str) -> None:
-    """Build, export, rewrite, preflight, lower and verify through the pipeline's own steps into ``run``.
+    """Build, quantize (``unit.quantize``), export, rewrite, measure what quantization costs, preflight, lower and
+    verify through the pipeline's own steps into ``run``, in ``python -m zoo.export``'s order.
 
     On a GPU the lowered artifact is verified as every zoo artifact is (``gpu_steps.verify_unit_step``: the
-    bf16 rule against the unit's float32 copy, made on the GPU) before anything is timed on it; a failed
-    verification fails the policy here. The eager backend (a CPU check of this script) saves the rewritten
-    programs instead, and there is nothing to verify."""
+    bf16 rule against the unit's float32 copy, made on the GPU; for a quantized unit, the copy of the quantized
+    unit: its int8 weights dequantized in float32) before anything is timed on it; a failed verification fails
+    the policy here. The eager backend (a CPU check of this script) saves the rewritten programs instead, and
+    there is nothing to verify."""
     run.path.mkdir(parents=True, exist_ok=True)
     report = RunReport(run.path, recipe.to_dict())
     run.write_recipe(recipe)
@@ -49,9 +51,14 @@ def lower_policy(family: str, recipe, run: RunFolder, checkpoint: Path, weights:
         fam = policies.load_family(family)
         with weights():
             unit = pipeline.build_step(None, recipe, run, report, build=lambda: fam.build_unit(checkpoint, recipe))
+        # Records the layers and the weights' bytes before and after in the report (its quantization section).
+        baselines = pipeline.quantize_step(unit, recipe, report)
         programs, _ = pipeline.export_step(unit, recipe, run, report, save=False, reference=False)
         rewritten = pipeline.rewrite_step(programs, recipe, report)
         del programs
+        # On the bench's device: at real size the three units' eager runs would take the CPU many minutes.
+        pipeline.quantization_cost_step(unit, baselines, recipe, report, device=device)
+        del baselines
         gc.collect()
         # The rewritten programs stay in the run: the pytorch candidate and the roofline's FLOP count read them,
         # and the lowering workers load them from there (each program saved once).
@@ -62,7 +69,8 @@ def lower_policy(family: str, recipe, run: RunFolder, checkpoint: Path, weights:
             gc.collect()
             # lower_step runs the kernel preflight on each method's own edge program: no second to_edge here.
             gpu_steps.lower_step(files, run, recipe, report)
-            say(f"{family}: verify the artifact (bf16 rule against the float32 unit, on {device})")
+            say(f"{family}: verify the artifact ({recipe.unit.dtype} unit"
+                + (f", {recipe.unit.quantize.words()}" if recipe.unit.quantize.enabled else "") + f", on {device})")
             gpu_steps.verify_unit_step(run, recipe, report, unit, device=device)
             report.record("status", "verified")
         else:
@@ -82,7 +90,8 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
     work = out / family
     run = RunFolder(work / "run")
     record: Dict[str, Any] = {"policy": family, "recipe": recipe.name, "dtype": recipe.unit.dtype,
-                              "methods": list(recipe.unit.methods), "candidates": {}}
+                              "quantize": recipe.unit.quantize.words(), "methods": list(recipe.unit.methods),
+                              "candidates": {}}
     if args.layers:
         record["layers"] = args.layers
     if overrides:
@@ -96,6 +105,7 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
                 say(f"{family}: build, export and lower ({', '.join(recipe.unit.methods)}) into {run.path}")
                 lower_policy(family, recipe, run, checkpoint, weights, args.device)
             record["run"] = str(run.path)
+            record.update(artifact_facts(run))
             if args.only == "lower":
                 record["status"] = "lowered"
                 return
@@ -119,6 +129,16 @@ def bench_policy(family: str, args, out: Path, results: Dict[str, Any]) -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def artifact_facts(run: RunFolder) -> Dict[str, Any]:
+    """What a policy's record says of its run beside the timings: the artifact's .ptd bytes (None where nothing
+    was lowered: the eager backend) and, for a quantized unit, the weights' bytes before and after quantization."""
+    facts: Dict[str, Any] = {"ptd_bytes": run.ptd.stat().st_size if run.ptd.is_file() else None}
+    applied = (run.read_report().get("quantization") or {}).get("applied") or {}
+    if applied.get("weight_bytes"):
+        facts["weight_bytes"] = applied["weight_bytes"]
+    return facts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,10 +191,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.chunks < 3:
         raise SystemExit("--chunks must be >= 3: chunks 2..N are timed and the first two set the chunk length")
+    # The table is per recipe: a quantized variant's timing would stand in for the recipe's own on its card.
+    quantized = any(item.split("=", 1)[0].strip().startswith("unit.quantize") for item in args.set)
     if (args.record is not None and args.record.resolve() == chunk_latency.MEASURED_JSON
-            and (args.tiny or args.layers or args.backend != "artifact" or torch.device(args.device).type != "cuda")):
+            and (args.tiny or args.layers or quantized or args.backend != "artifact"
+                 or torch.device(args.device).type != "cuda")):
         raise SystemExit(f"--record into {chunk_latency.MEASURED_JSON} takes only the artifact runner on a GPU at "
-                         "real size (model cards quote it); give --record another file for this run")
+                         "real size, unquantized (model cards quote it); give --record another file for this run")
     out = args.out.expanduser().resolve()
     out.mkdir(parents=True, exist_ok=True)
     measured_rates = None

@@ -109,10 +109,130 @@ def test_a_cost_over_the_recipes_bound_fails_the_export(tmp_path):
     assert "> bound 0.0001" in done.stderr
 
 
-def test_the_policy_check_of_a_quantized_unit_says_why_it_does_not_run():
-    from zoo.export.policy_check import why_skipped
+def test_the_policy_check_runs_for_a_quantized_unit():
+    from zoo.export.policy_check import NEEDS_LEROBOT, why_skipped
 
     recipe = load_recipe("fast-wam-tiny", ["unit.quantize=int8-weight-only"])
-    assert "quantized the same way" in why_skipped(recipe, "cpu")
-    assert why_skipped(load_recipe("fast-wam-tiny"), "cpu") is None or "lerobot" in why_skipped(
-        load_recipe("fast-wam-tiny"), "cpu").lower()
+    assert why_skipped(recipe, "cpu") in (None, NEEDS_LEROBOT)
+    assert why_skipped(recipe, "gpu") in (None, NEEDS_LEROBOT)
+
+
+# --------------------------------------------------------------------------------------------------------
+# A bf16 unit quantized: the references verification and the policy check judge it against
+
+
+@pytest.fixture(scope="module")
+def bf16_quantized(tmp_path_factory):
+    """Fast-WAM's tiny unit in bf16, quantized int8 weight-only in groups of 32 (torchao's per-group path, which
+    dequantizes in the dtype it quantized from) but for its proprio encoder, and LeRobot's own policy of the same
+    checkpoint in float32 (the bf16 rule's reference) with a copy of its weights as loaded."""
+    pytest.importorskip("lerobot")
+    from zoo import policies
+
+    recipe = load_recipe("fast-wam-tiny", ["unit.dtype=bfloat16", "unit.quantize=int8-weight-only",
+                                           "unit.quantize.group_size=32", "unit.quantize.exclude=[proprio_encoder]"])
+    run = RunFolder(tmp_path_factory.mktemp("bf16-quantized") / "run")
+    run.path.mkdir(parents=True)
+    report = RunReport(run.path, recipe.to_dict())
+    with pipeline.source_environment(recipe, report):
+        checkpoint = pipeline.pull_step(recipe, run, report)
+        unit = pipeline.build_step(checkpoint, recipe, run, report)
+        pipeline.quantize_step(unit, recipe, report)
+        policy, _, _ = policies.load_family("fast_wam").lerobot_policy(checkpoint.path, load_recipe("fast-wam-tiny"))
+    loaded = {name: m.weight.detach().clone() for name, m in policy.named_modules() if isinstance(m, torch.nn.Linear)}
+    return recipe, report, run, unit, policy, loaded
+
+
+def _int8_layers(root: torch.nn.Module):
+    """{name: (linear, int8 values, scale, zero point)} of each layer of ``root`` quantized by zoo."""
+    from torch.nn.utils import parametrize
+
+    return {name: (m, m.parametrizations.weight.original0, m.parametrizations.weight.original1,
+                   m.parametrizations.weight.original2)
+            for name, m in root.named_modules() if parametrize.is_parametrized(m, "weight")}
+
+
+def _per_weight(values: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """A scale or zero point per row ([out, 1]) or per group ([out, in / group]) spread to each weight."""
+    return values.double().repeat_interleave(q.shape[1] // values.shape[1], dim=1)
+
+
+def _dequantized(q, scale, zero) -> torch.Tensor:
+    """The weight by hand, in float64: the int8 values, less the zero point, times the scale of their group."""
+    return (q.double() - _per_weight(zero, q)) * _per_weight(scale, q)
+
+
+def _dequantized_linear(x: torch.Tensor, q, scale, zero, bias) -> torch.Tensor:
+    return x.double() @ _dequantized(q, scale, zero).T + (bias.detach().double() if bias is not None else 0.0)
+
+
+def test_lerobots_policy_is_quantized_as_the_unit_layer_for_layer(bf16_quantized):
+    """The policy check's reference: LeRobot's float32 policy holds, in every linear layer but the excluded one,
+    int8 values within half a step of its own weights rounded to bf16 (the weights the bf16 unit quantized),
+    the very int8 values and scales of the unit, and computes that layer in float32."""
+    recipe, report, _, unit, policy, loaded = bf16_quantized
+    count = quantizing.quantize_policy(policy, report.get("quantization")["applied"], recipe.unit.quantize)
+    layers = _int8_layers(policy)
+    # Every linear layer but the excluded one and those whose input width is not a whole number of groups.
+    expected = {name for name, w in loaded.items() if name != "model.proprio_encoder" and w.shape[1] % 32 == 0}
+    assert set(layers) == expected and count == len(layers) == 52
+    assert isinstance(policy.model.proprio_encoder.weight, torch.nn.Parameter)  # excluded: left as it was
+    unit_layers = {name: v for m in unit.methods.values() for name, v in _int8_layers(m.module).items()}
+    for name, (linear, q, scale, zero) in layers.items():
+        weight = loaded[name]
+        # Fast-WAM's unit holds its time embedding layers in float32; the rest is bf16.
+        source = weight if "time_" in name else weight.to(torch.bfloat16)
+        step = _per_weight(scale, q)
+        assert float(((_dequantized(q, scale, zero) - source.double()).abs() - step / 2).max()) \
+            <= 1e-6 * float(weight.abs().max())
+        _, unit_q, unit_scale, _ = unit_layers[name.removeprefix("model.")]
+        assert torch.equal(q, unit_q) and torch.equal(scale, unit_scale.float())
+        x = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            got = linear(x)
+        want = _dequantized_linear(x, q, scale, zero, linear.bias)
+        assert got.dtype == torch.float32 and float((got.double() - want).norm() / want.norm()) < 1e-6
+
+
+def test_verification_judges_a_quantized_bf16_unit_against_its_own_int8_weights_in_float32(bf16_quantized,
+                                                                                           monkeypatch):
+    """verify_unit_step's references for a quantized bf16 unit: eager is the quantized unit itself, and the bf16
+    rule's float32 reference holds the unit's int8 values and scales and computes each layer in float32."""
+    from zoo.export import stages
+
+    recipe, report, run, unit, _, _ = bf16_quantized
+    seen = {}
+    monkeypatch.setattr(stages, "verify_step", lambda *args, **kwargs: seen.update(kwargs))
+    stages.verify_unit_step(run, recipe, report, unit, device="cpu")
+    references = seen["references"]
+    assert references["exported"]["action_step"] is unit.methods["action_step"].module
+    wide = _int8_layers(references["reference_fp32"]["action_step"])
+    own = _int8_layers(unit.methods["action_step"].module)
+    assert set(wide) == set(own) and len(wide) == 52
+    for name, (linear, q, scale, zero) in wide.items():
+        assert torch.equal(q, own[name][1]) and torch.equal(scale, own[name][2])
+        x = torch.randn(2, linear.in_features, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            got = linear(x)
+        want = _dequantized_linear(x, q, scale, zero, linear.bias)
+        assert got.dtype == torch.float32 and float((got.double() - want).norm() / want.norm()) < 1e-6
+
+
+def test_what_quantization_costs_the_actions_is_reported_and_fails_only_past_the_bound():
+    from zoo.export.quant_cost import policy_cost
+    from zoo.runner.check import ChunkRow, PolicyCheckResult
+
+    generator = torch.Generator().manual_seed(0)
+    unquantized = {0: [torch.randn(7, generator=generator) for _ in range(5)]}
+    # Chunk 1 (3 actions) moved by 0.1 %, chunk 2 (2 actions) by 1 %: relative L2 1e-3 and 1e-2 exactly.
+    quantized = {0: [a * (1 + 1e-3) if i < 3 else a * (1 - 1e-2) for i, a in enumerate(unquantized[0])]}
+    recipe = load_recipe("fast-wam-tiny", ["unit.quantize=int8-weight-only"])
+    cost = policy_cost(quantized, unquantized, {0: [3, 2]}, recipe)
+    assert [r["rel_l2"] for r in cost["rows"]] == pytest.approx([1e-3, 1e-2], rel=1e-4)  # float32 actions
+    assert cost["passed"] and "not a task-success figure" in cost["table"] and "reported only" in cost["table"]
+    bounded = load_recipe("fast-wam-tiny", ["unit.quantize=int8-weight-only", "unit.quantize.bound.rel_l2=5e-3"])
+    cost = policy_cost(quantized, unquantized, {0: [3, 2]}, bounded)
+    assert [r["ok"] for r in cost["rows"]] == [True, False] and not cost["passed"]
+    runner_matches = ChunkRow(1, 5, [5, 7], 0.0, 0.0, 1.0, 1e-5, True)
+    result = PolicyCheckResult([runner_matches], "eager", "cpu", 0, "float32", quantization_cost=cost)
+    assert not result.ok and "unit.quantize.bound" in result.verdict() and "> bound 0.005" in result.table()

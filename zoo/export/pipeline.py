@@ -302,16 +302,17 @@ def quantize_step(unit: ExportUnit, recipe, report: RunReport) -> Optional[quant
 
 
 def quantization_cost_step(unit: ExportUnit, baselines: Optional[quantizing.Baselines], recipe,
-                           report: RunReport) -> None:
+                           report: RunReport, device: str = "cpu") -> None:
     """The quantized unit, eager, against its unquantized copies: what quantization costs (the rule's
-    second half; the CPU check just judged the first)."""
+    second half; the CPU check just judged the first). ``device``: where the three run (the real-size chunk
+    bench measures on the GPU)."""
     if baselines is None:
         return
     section = dict(report.get("quantization") or {})
     with timed_stage(report, "quantization_cost", "measure what quantization costs against the unquantized unit") \
             as facts:
         try:
-            section["cost"] = quantization_cost(unit, baselines, recipe)
+            section["cost"] = quantization_cost(unit, baselines, recipe, device=device)
         except VerificationFailed as exc:
             section["cost"] = exc.result
             report.record("quantization", section)

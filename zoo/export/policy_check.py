@@ -1,7 +1,8 @@
 """The policy check: the runner over a run folder against LeRobot's own policy from the same checkpoint, driven as a
 LeRobot control loop drives it, over seeded synthetic episodes (``policy_check.episodes``), float32 judged per action
 chunk, bf16 by zoo's bf16 rule over all actions: on the CPU during export (eager runner, float32 units) and on the
-GPU after verification (the artifact).
+GPU after verification (the artifact). A quantized unit's reference is LeRobot's policy quantized as the unit was
+(the same layers, zoo.export.quantize's own code), and the check reports what quantization costs the actions.
 Skipped where lerobot is missing; "not applicable" to families without an action loop (docs/host-loops.md).
 """
 
@@ -11,8 +12,9 @@ import contextlib
 import copy
 import importlib.util
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Mapping, Optional
 
 import torch
 
@@ -27,6 +29,8 @@ from zoo.runner import load as load_runner
 from zoo.runner.check import ChunkTolerance, PolicyCheckResult, ProcessedPolicy, compare_episode, run_episode
 from zoo.runner.loading import RUNNERS
 from zoo.runner.observations import synthetic_observations
+from zoo.export.quant_cost import policy_cost
+from zoo.export.quantize import quantize_policy
 from zoo.export.verify import full_fp32_precision
 
 # The stage each place of the check is recorded under, and its label.
@@ -39,12 +43,6 @@ NEEDS_LEROBOT = "needs lerobot (the policies extra: pip install 'zoo[policies]')
 BF16_ON_CPU = ("the CPU policy check runs for float32 units only ({dtype} here): LeRobot's bf16 policies need "
                "the GPU (Fast-WAM's float32 regions use CUDA autocast) and bf16 episodes on the CPU take minutes; "
                "the GPU policy check covers {dtype} units")
-
-
-# The check judges the runner against LeRobot's policy with a rule for rounding, not for quantization: the
-# reference a quantized unit needs is LeRobot's policy quantized the same way, which is not built yet.
-QUANTIZED = ("not built for a quantized unit ({scheme}): its reference would be LeRobot's policy quantized the "
-             "same way; the quantization_cost stage reports how far the unit moved from the unquantized one")
 
 
 def not_applicable(recipe) -> Optional[str]:
@@ -65,8 +63,6 @@ def why_skipped(recipe, where: str) -> Optional[str]:
         return f"policy_check.{where} is false in the recipe"
     if where == "cpu" and recipe.unit.dtype != "float32":
         return BF16_ON_CPU.format(dtype=recipe.unit.dtype)
-    if recipe.unit.quantize.enabled:
-        return QUANTIZED.format(scheme=recipe.unit.quantize.words())
     if importlib.util.find_spec("lerobot") is None:
         return NEEDS_LEROBOT
     return None
@@ -94,57 +90,118 @@ def episode(run: RunFolder, recipe, seed: Optional[int] = None) -> List[dict]:
 
 
 def check_run(run: RunFolder, recipe, checkpoint: Path, *, backend: str = "eager",
-              device: str = "cpu", cuda_graphs: bool = False) -> PolicyCheckResult:
+              device: str = "cpu", cuda_graphs: bool = False,
+              quantized: Optional[Mapping[str, Any]] = None) -> PolicyCheckResult:
     """The runner over ``run`` (``backend`` on ``device``, its methods replayed as CUDA graphs with
     ``cuda_graphs``) against LeRobot's policy from ``checkpoint`` on the same device, over
     ``policy_check.episodes`` episodes (seeds ``seed``, ``seed + 1``, ...). Returns the result, every chunk and,
-    under the bf16 rule, the verdict over all actions; raising on a failed one is the caller's."""
+    under the bf16 rule, the verdict over all actions; raising on a failed one is the caller's.
+
+    A quantized unit is judged by the same rule against LeRobot's policy quantized as the unit was (``quantized``:
+    the run's ``quantization.applied`` record, read from its report when None), and the result carries what
+    quantization costs the policy's actions against LeRobot's unquantized float32 policy."""
     family = policies.load_family(recipe.family)
     check = recipe.policy_check
     seeds = [check.seed + k for k in range(max(1, check.episodes))]
     observations = {seed: episode(run, recipe, seed) for seed in seeds}
+    applied = _applied_quantization(run, recipe, quantized)
     low_precision = recipe.unit.dtype != "float32"
     tolerance = ChunkTolerance(float32=check.tolerance.float32 if device == "cpu" else check.tolerance.gpu_float32,
                                bf16_factor=check.tolerance.bf16_factor,
                                bf16_min_cosine=check.tolerance.bf16_min_cosine)
     precision = full_fp32_precision() if device != "cpu" else contextlib.nullcontext()
-    # Past 10 s a bar shows which episode runs: LeRobot's (and its float32 one for bf16), then the runner's.
+    # Past 10 s a bar shows which episode runs: LeRobot's (its float32 one for bf16, its unquantized one for a
+    # quantized unit), then the runner's.
+    per_seed = 2 + low_precision + (applied is not None)
     with precision, tempfile.TemporaryDirectory(prefix="zoo-policy-check-") as tmp, \
-            Progress("policy check", (3 if low_precision else 2) * len(seeds), unit="episode") as bar:
-        bar.begin("LeRobot's select_action")
-        policy, pre, post = _lerobot_policy(family, checkpoint, recipe, device)
+            Progress("policy check", per_seed * len(seeds), unit="episode") as bar:
         # The runner reads the task's embedding from a prompt file, as a deployed runner does.
-        prompt = family.embed_prompt(policy, check.task).save(Path(tmp) / "task.safetensors")
-        reference_low = _episodes(ProcessedPolicy(policy, pre, post), observations, bar)
-        del policy, pre, post
-        expected = reference_low
-        if low_precision:  # the bf16 rule's float32 reference: LeRobot's policy in float32, same checkpoint
-            bar.begin("LeRobot's select_action in float32")
-            recipe32 = copy.deepcopy(recipe)
-            recipe32.unit.dtype = "float32"
-            policy, pre, post = _lerobot_policy(family, checkpoint, recipe32, device)
-            # A family whose policy draws its noise in the policy dtype has the float32 episode draw the
-            # low-precision episode's noise, so the rule measures precision, not another sample.
-            same_noise = getattr(family, "float32_reference_noise", None)
-            with same_noise(getattr(torch, recipe.unit.dtype)) if same_noise else contextlib.nullcontext():
-                expected = _episodes(ProcessedPolicy(policy, pre, post), observations, bar)
-            del policy, pre, post
+        lerobot = _lerobot_references(family, checkpoint, recipe, device, observations, bar, applied,
+                                      Path(tmp) / "task.safetensors")
         bar.begin(f"the {backend} runner")
         runner = load_runner(run, backend=backend, device=device, cuda_graphs=cuda_graphs)
         try:
-            runner.load_prompt(prompt)
+            runner.load_prompt(lerobot.prompt)
             results = []
             for seed in seeds:
-                results.append(compare_episode(runner, expected[seed], observations[seed], seed=seed,
+                results.append(compare_episode(runner, lerobot.expected[seed], observations[seed], seed=seed,
                                                tolerance=tolerance, min_chunks=check.chunks,
-                                               reference_low=reference_low[seed] if low_precision else None))
+                                               reference_low=lerobot.low[seed] if low_precision else None))
                 bar.advance()
         finally:
             runner.close()
     result = PolicyCheckResult.merged(results)
     result.notes.append(f"{len(observations[seeds[0]])} observations an episode: seeded synthetic (seed of the "
                         f"episode) from the policy's input features; task {check.task!r}")
+    if applied is not None:
+        result.notes.append(f"LeRobot's policy quantized as the unit: {len(applied['policy_layers'])} linear "
+                            f"layer(s), {applied.get('words')} (torchao {applied.get('torchao')})")
+        chunks = {res.seed: [row.steps for row in res.rows] for res in results}
+        result.quantization_cost = policy_cost(lerobot.low, lerobot.unquantized, chunks, recipe,
+                                               lerobot.expected if low_precision else None)
     return result
+
+
+def _applied_quantization(run: RunFolder, recipe, given: Optional[Mapping[str, Any]]) -> Optional[Mapping[str, Any]]:
+    """What the quantize stage did to the run's unit (its report's ``quantization.applied``), or None for a unit
+    that is not quantized. A run whose report does not say gives {}: ``quantize_policy`` refuses it."""
+    if not recipe.unit.quantize.enabled:
+        return None
+    if given is not None:
+        return given
+    return (run.read_report().get("quantization") or {}).get("applied") or {}
+
+
+@dataclass
+class _LeRobotEpisodes:
+    """LeRobot's side of the check, per episode seed: ``low`` its policy in the unit's dtype (quantized as the unit
+    for a quantized unit), ``expected`` what the runner is judged against (``low`` itself, or its policy in float32
+    under the bf16 rule), ``unquantized`` its unquantized policy in float32 (a quantized unit only), and the prompt
+    file the runner reads."""
+
+    low: Dict[int, List[torch.Tensor]]
+    expected: Dict[int, List[torch.Tensor]]
+    unquantized: Optional[Dict[int, List[torch.Tensor]]]
+    prompt: Path
+
+
+def _lerobot_references(family, checkpoint: Path, recipe, device: str, observations: Dict[int, List[dict]], bar,
+                        applied: Optional[Mapping[str, Any]], prompt_file: Path) -> _LeRobotEpisodes:
+    """LeRobot's episodes, one policy built at a time. A policy's unquantized episodes run before it is quantized
+    in place, so that each precision is built once."""
+    bar.begin("LeRobot's select_action")
+    policy, pre, post = _lerobot_policy(family, checkpoint, recipe, device)
+    prompt = family.embed_prompt(policy, recipe.policy_check.task).save(prompt_file)
+    unquantized = None
+    low_precision = recipe.unit.dtype != "float32"
+    if applied is not None and not low_precision:
+        unquantized = _episodes(ProcessedPolicy(policy, pre, post), observations, bar)
+    _quantized_as_unit(policy, applied, recipe)
+    low = _episodes(ProcessedPolicy(policy, pre, post), observations, bar)
+    del policy, pre, post
+    expected = low
+    if low_precision:  # the bf16 rule's float32 reference: LeRobot's policy in float32, same checkpoint
+        bar.begin("LeRobot's select_action in float32")
+        recipe32 = copy.deepcopy(recipe)
+        recipe32.unit.dtype = "float32"
+        policy, pre, post = _lerobot_policy(family, checkpoint, recipe32, device)
+        # A family whose policy draws its noise in the policy dtype has the float32 episodes draw the
+        # low-precision episode's noise, so the rule measures precision, not another sample.
+        same_noise = getattr(family, "float32_reference_noise", None)
+        with same_noise(getattr(torch, recipe.unit.dtype)) if same_noise else contextlib.nullcontext():
+            if applied is not None:
+                unquantized = _episodes(ProcessedPolicy(policy, pre, post), observations, bar)
+            _quantized_as_unit(policy, applied, recipe)
+            expected = _episodes(ProcessedPolicy(policy, pre, post), observations, bar)
+        del policy, pre, post
+    return _LeRobotEpisodes(low, expected, unquantized, prompt)
+
+
+def _quantized_as_unit(policy, applied: Optional[Mapping[str, Any]], recipe) -> None:
+    """LeRobot's policy quantized in place as the unit was, with zoo.export.quantize's own code; nothing for a unit
+    that is not quantized."""
+    if applied is not None:
+        quantize_policy(policy, applied, recipe.unit.quantize)
 
 
 def _episodes(policy: ProcessedPolicy, observations: Dict[int, List[dict]], bar) -> Dict[int, List]:
@@ -181,8 +238,9 @@ def policy_check_step(run: RunFolder, recipe, report: RunReport, *, where: str =
     try:
         with timed_stage(report, stage, label) as facts:
             in_reach = contextlib.nullcontext(checkpoint) if checkpoint is not None else checkpoint_in_reach(recipe)
+            applied = (report.get("quantization") or {}).get("applied")
             with in_reach as folder:
-                result = check_run(run, recipe, folder, backend=backend, device=device)
+                result = check_run(run, recipe, folder, backend=backend, device=device, quantized=applied)
             report.record("policy_check", {**(report.get("policy_check") or {}), where: result.as_dict()})
             print(result.table())
             facts["failure"] = failed_detail(result)
@@ -206,11 +264,14 @@ def record_skip(report: RunReport, where: str, reason: str) -> None:
 
 def require_passed(result: PolicyCheckResult) -> None:
     if not result.ok:
+        reproduced = not result.failures() and (result.pooled is None or result.pooled.ok)
+        hint = ("quantization moves LeRobot's own actions more than the recipe allows: exclude the layers that "
+                "matter (unit.quantize.exclude), use a finer group, or loosen unit.quantize.bound" if reproduced else
+                "the runner or the artifact does not reproduce the policy: the table shows which chunk; check "
+                "host_settings.json (schedules, shifts, guidance) and the verification report")
         exc = PolicyCheckFailed(
             f"policy check failed: {result.verdict()}, against LeRobot's select_action (runner {result.backend} on "
-            f"{result.device})\n" + result.table(),
-            "the runner or the artifact does not reproduce the policy: the table shows which chunk; check "
-            "host_settings.json (schedules, shifts, guidance) and the verification report", result=result)
+            f"{result.device})\n" + result.table(), hint, result=result)
         raise exc
 
 
@@ -220,12 +281,16 @@ def skipped_record(reason: str) -> dict:
 
 def passed_detail(result: PolicyCheckResult) -> str:
     actions = sum(r.steps for r in result.rows)
+    cost = result.quantization_cost
+    quantized = "" if cost is None else (
+        f"; against LeRobot quantized as the unit; quantization moves LeRobot's actions by rel L2 "
+        f"{cost['all_actions']['rel_l2']:.2e} (seeded synthetic episodes, not a task-success figure)")
     if result.pooled is not None:
         return (f"{len(result.rows)} chunks ({actions} actions): rel L2 {result.pooled.rel_l2:.2e} over all of "
-                f"them, bound {result.pooled.bound:.3e} ({result.backend}, {result.device}, {result.rule})")
+                f"them, bound {result.pooled.bound:.3e} ({result.backend}, {result.device}, {result.rule})" + quantized)
     worst = max(r.rel_l2 for r in result.rows)
     return (f"{len(result.rows)} chunks ({actions} actions) within tolerance, "
-            f"worst rel L2 {worst:.2e} ({result.backend}, {result.device}, {result.rule})")
+            f"worst rel L2 {worst:.2e} ({result.backend}, {result.device}, {result.rule})" + quantized)
 
 
 def failed_detail(result: Optional[Any]) -> Optional[str]:

@@ -15,14 +15,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 
 from zoo.contract import quantization as q
-from zoo.core.errors import QuantizationBlocked, RecipeError
+from zoo.core.errors import ExportError, QuantizationBlocked, RecipeError
 from zoo.core.numerics import held_bytes
-from zoo.export.trace import float32_copy
+from zoo.export.trace import dequantize_in_float32, float32_copy
 from zoo.policies.base import ExportUnit
 
 
@@ -50,7 +50,7 @@ def unquantized_copies(unit: ExportUnit, recipe) -> Baselines:
 def _deep_copy(unit: ExportUnit) -> ExportUnit:
     modules = copy.deepcopy({name: m.module for name, m in unit.methods.items()})
     methods = {name: dataclasses.replace(m, module=modules[name]) for name, m in unit.methods.items()}
-    return dataclasses.replace(unit, methods=methods, reference=None)
+    return dataclasses.replace(unit, methods=methods, reference=None, policy=None)
 
 
 def torchao_config(quantize: q.Quantize):
@@ -115,28 +115,84 @@ def _parameter_owners(unit: ExportUnit) -> Dict[int, int]:
 
 def quantize_unit(unit: ExportUnit, recipe) -> Dict[str, Any]:
     """Quantize ``unit``'s chosen linear layers in place; return the report's ``quantization`` section."""
-    from torchao.quantization import quantize_
-    from torchao.utils import unwrap_tensor_subclass
-
     quantize = recipe.unit.quantize
     refuse_blocked(recipe)
     before = weight_bytes(unit)
     chosen, kept = linear_plan(unit, quantize)
+    named = policy_layers(unit, chosen)  # before quantizing: the dtype each weight is quantized from
     holder = torch.nn.ModuleDict({f"m_{name}": spec.module for name, spec in unit.methods.items()})
+    quantize_modules(holder, set(chosen), quantize)
+    record = {"scheme": quantize.scheme, "words": quantize.words(), "group_size": quantize.group_size,
+              "torchao": _torchao_version(), "quantized": len(chosen), "kept": kept,
+              "weight_bytes": {"before": before, "after": weight_bytes(unit)}}
+    return {**record, **named}
+
+
+def quantize_modules(root: torch.nn.Module, chosen: Set[int], quantize: q.Quantize) -> None:
+    """torchao's ``quantize_`` over the modules of ``root`` whose ``id`` is in ``chosen``, then its tensor subclass
+    unwrapped into plain parameters. The one place both the unit and LeRobot's policy (the policy check's
+    reference) are quantized, so the two cannot be quantized differently."""
+    from torchao.quantization import quantize_
+    from torchao.utils import unwrap_tensor_subclass
+
     pending = set(chosen)
 
-    def once(module: torch.nn.Module, fqn: str) -> bool:  # a shared module is reached once per method
+    def once(module: torch.nn.Module, fqn: str) -> bool:  # a shared module is reached once per path to it
         if id(module) in pending:
             pending.discard(id(module))
             return True
         return False
 
     with torch.no_grad():
-        quantize_(holder, torchao_config(quantize), filter_fn=once)
-        unwrap_tensor_subclass(holder)
-    return {"scheme": quantize.scheme, "words": quantize.words(), "group_size": quantize.group_size,
-            "torchao": _torchao_version(), "quantized": len(chosen), "kept": kept,
-            "weight_bytes": {"before": before, "after": weight_bytes(unit)}}
+        quantize_(root, torchao_config(quantize), filter_fn=once)
+        unwrap_tensor_subclass(root)
+
+
+def policy_layers(unit: ExportUnit, chosen: Dict[int, str]) -> Dict[str, Any]:
+    """The chosen layers as the LeRobot policy the unit was cut from (``unit.policy``) names them, each with the
+    dtype its weight is quantized from: ``{"policy_layers": {name: dtype}}``, what ``quantize_policy`` needs to
+    quantize LeRobot's own policy the same way; a chosen layer the policy does not hold is listed under
+    ``outside_policy``. Empty for a unit cut from no LeRobot policy (it has no policy check)."""
+    if unit.policy is None:
+        return {}
+    names = {id(module): name for name, module in unit.policy.named_modules()}
+    modules = {id(m): m for spec in unit.methods.values() for m in spec.module.modules()}
+    layers = {names[i]: str(modules[i].weight.dtype).replace("torch.", "") for i in chosen if i in names}
+    outside = sorted(label for i, label in chosen.items() if i not in names)
+    return {"policy_layers": dict(sorted(layers.items())), **({"outside_policy": outside} if outside else {})}
+
+
+def quantize_policy(policy: torch.nn.Module, applied: Mapping[str, Any], quantize: q.Quantize) -> int:
+    """LeRobot's ``policy`` quantized in place as the unit was (``applied``: the run report's
+    ``quantization.applied``): the layers it names in ``policy_layers``, each weight first cast to the dtype the
+    unit quantized it from, so that torchao computes the unit's own int8 values and scales. A float32 policy (the
+    bf16 rule's reference) then holds a bf16 unit's int8 weights, dequantized in float32. The cast is exact: the
+    policy and the unit hold the same values, rounded through the unit's dtype. A layer cast down from float32
+    dequantizes in float32 again, as the unit's float32 copy does. Returns how many layers."""
+    outside = applied.get("outside_policy")
+    if outside:
+        raise ExportError(f"LeRobot's policy cannot be quantized as the unit was: the unit quantized layers it does "
+                          f"not hold ({', '.join(outside[:4])})",
+                          "leave those layers out of quantization (unit.quantize.exclude) to check the policy")
+    layers = applied.get("policy_layers")
+    if not layers:
+        raise ExportError("LeRobot's policy cannot be quantized as the unit was: the run does not say which of its "
+                          "layers the unit quantized", "export the run again (its quantize stage records them)")
+    modules = dict(policy.named_modules())
+    missing = [name for name in layers if not isinstance(modules.get(name), torch.nn.Linear)]
+    if missing:
+        raise ExportError(f"LeRobot's policy has no linear layer {', '.join(missing[:4])}, which the unit quantized",
+                          "the run was exported from another checkpoint or zoo version: export it again")
+    widened = [modules[name] for name, dtype in layers.items() if modules[name].weight.dtype == torch.float32
+               and getattr(torch, dtype) != torch.float32]
+    with torch.no_grad():
+        for name, dtype in layers.items():
+            linear = modules[name]
+            linear.weight = torch.nn.Parameter(linear.weight.detach().to(getattr(torch, dtype)), requires_grad=False)
+    quantize_modules(policy, {id(modules[name]) for name in layers}, quantize)
+    for linear in widened:
+        dequantize_in_float32(linear)
+    return len(layers)
 
 
 def weight_bytes(unit: ExportUnit) -> int:

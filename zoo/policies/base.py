@@ -54,6 +54,10 @@ class ExportUnit:
     host_files: List[Path] = field(default_factory=list)
     # Optional: a function that runs the policy's own eager code for the unit's equivalence test.
     reference: Optional[Callable[..., Any]] = None
+    # Optional: the LeRobot policy module the methods were cut from (their modules are its submodules). The
+    # quantize stage names the layers it quantizes as this policy names them, so that the policy check can
+    # quantize LeRobot's own policy the same way (zoo.export.quantize.quantize_policy).
+    policy: Optional[torch.nn.Module] = None
 
     def io_spec(self) -> Dict[str, MethodIo]:
         return {name: m.io_spec() for name, m in self.methods.items()}

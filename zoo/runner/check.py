@@ -124,10 +124,15 @@ class PolicyCheckResult:
     rule: str  # "float32" or "bf16"
     notes: List[str] = field(default_factory=list)
     pooled: Optional[Pooled] = None  # the bf16 rule's verdict; None under the float32 rule
+    # A quantized unit: what quantization costs the policy's actions, LeRobot's policy quantized as the unit against
+    # its unquantized float32 policy (zoo.export.quant_cost.policy_cost: "passed", "rows", "table", ...). It fails
+    # the check only past the recipe's unit.quantize.bound.
+    quantization_cost: Optional[Dict[str, Any]] = None
 
     @property
     def ok(self) -> bool:
-        return bool(self.rows) and all(r.ok for r in self.rows) and (self.pooled is None or self.pooled.ok)
+        return (bool(self.rows) and all(r.ok for r in self.rows) and (self.pooled is None or self.pooled.ok)
+                and (self.quantization_cost is None or bool(self.quantization_cost.get("passed"))))
 
     def failures(self) -> List[ChunkRow]:
         return [r for r in self.rows if not r.ok]
@@ -139,6 +144,8 @@ class PolicyCheckResult:
         if self.pooled is not None and not self.pooled.ok:
             parts.append(f"all {self.pooled.actions} actions at rel L2 {self.pooled.rel_l2:.3e} against a bound of "
                          f"{self.pooled.bound:.3e} (cosine {self.pooled.cosine:.6f})")
+        if self.quantization_cost is not None and not self.quantization_cost.get("passed"):
+            parts.append("quantization moves LeRobot's actions more than unit.quantize.bound allows")
         return "; ".join(parts) or "passed"
 
     @classmethod
@@ -160,7 +167,8 @@ class PolicyCheckResult:
                                                     "ok": self.pooled.ok}
         return {"passed": self.ok, "backend": self.backend, "device": self.device, "seed": self.seed,
                 "rule": self.rule, "chunks": len(self.rows), "rows": [asdict(r) for r in self.rows],
-                "pooled": pooled, "notes": list(self.notes), "table": self.table()}
+                "pooled": pooled, "notes": list(self.notes), "quantization_cost": self.quantization_cost,
+                "table": self.table()}
 
     def table(self) -> str:
         bf16 = self.rule == "bf16"
@@ -176,11 +184,13 @@ class PolicyCheckResult:
                         + ([_num(r.eager_rel_l2)] if bf16 else [])
                         + [f"{r.bound:.1e}", result])
         against = "LeRobot float32 (bf16 rule)" if bf16 else "LeRobot"
+        quantized = "" if self.quantization_cost is None else " (LeRobot's policy quantized as the unit)"
         pooled = "" if self.pooled is None else "\n" + self.pooled.line()
+        cost = "" if self.quantization_cost is None else "\n" + self.quantization_cost["table"]
         which = "seeds " + ", ".join(str(x) for x in dict.fromkeys(r.seed for r in self.rows)) if seeds \
             else f"seed {self.seed}"
-        return (f"policy check: runner ({self.backend}, {self.device}) against {against} select_action, "
-                f"{which}\n" + format_table(rows) + pooled)
+        return (f"policy check: runner ({self.backend}, {self.device}) against {against} select_action{quantized}, "
+                f"{which}\n" + format_table(rows) + pooled + cost)
 
 
 def _why_chunk_fails(c, bound: float, tolerance: ChunkTolerance) -> str:

@@ -82,6 +82,7 @@ def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
         host_settings=_host_settings(fw, config, opts, sizes, dit_method),
         host_files=host_files,
         reference=InferActionReference(fw, sizes.horizon, sizes.steps, sizes.shift, sizes.image, sizes.latent_shape),
+        policy=policy,
     )
 
 

@@ -279,4 +279,4 @@ def build_unit(checkpoint_dir: Path, recipe: Recipe) -> ExportUnit:
                                    output_names=outputs)
     settings = _host_settings(policy, layout, recipe, _vae_settings(policy, vae) if vae else None)
     return ExportUnit(family=FAMILY, methods=methods, host_settings=settings,
-                      host_files=_host_files(checkpoint_dir), reference=lambda: LeRobotSteps(policy))
+                      host_files=_host_files(checkpoint_dir), reference=lambda: LeRobotSteps(policy), policy=policy)
