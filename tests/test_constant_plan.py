@@ -157,6 +157,7 @@ def _padded(tensor: torch.Tensor) -> bytes:
     return data + b"\0" * (-len(data) % 64)
 
 
+@pytest.mark.e2e  # a CPU lowering of the toy methods (~55 s on 2 cores); tests/test_lowering_orchestration.py keeps the plan's groups and the .ptd in the default run
 def test_each_method_so_carries_the_plan_in_plan_order(lowered):
     plan = lowered["plan"]
     for method, part in lowered["parts"].items():
@@ -171,6 +172,7 @@ def test_each_method_so_carries_the_plan_in_plan_order(lowered):
                 if row["fqn"] == "u.table"] == [(True, True)], method
 
 
+@pytest.mark.e2e  # a CPU lowering of the toy methods (~55 s on 2 cores); tests/test_lowering_orchestration.py keeps the plan's groups and the .ptd in the default run
 def test_weight_blobs_are_the_plan_tensors_byte_for_byte_and_identical(lowered):
     unit = modules()["a"].u
     state = dict(unit.named_parameters(prefix="u")) | dict(unit.named_buffers(prefix="u")) | {"u.table": unit.table}
@@ -179,6 +181,7 @@ def test_weight_blobs_are_the_plan_tensors_byte_for_byte_and_identical(lowered):
         assert Path(entry["weights"]).read_bytes() == expected, method
 
 
+@pytest.mark.e2e  # a CPU lowering of the toy methods (~55 s on 2 cores); tests/test_lowering_orchestration.py keeps the plan's groups and the .ptd in the default run
 def test_the_ptd_holds_the_shared_weights_once(lowered):
     summary = lowered["assembled"].data_files[PTD_NAME]
     assert summary.segments == [["a_weights_blob", "b_weights_blob"]]
@@ -188,6 +191,7 @@ def test_the_ptd_holds_the_shared_weights_once(lowered):
     assert summary.file_bytes <= 1.05 * used
 
 
+@pytest.mark.e2e  # a CPU lowering of the toy methods (~55 s on 2 cores); tests/test_lowering_orchestration.py keeps the plan's groups and the .ptd in the default run
 def test_each_shipped_so_with_the_shared_blob_computes_what_eager_computes(lowered):
     promote_libtorch_global()
     eager = modules()
@@ -199,6 +203,7 @@ def test_each_shipped_so_with_the_shared_blob_computes_what_eager_computes(lower
             torch.testing.assert_close(runner.run([X])[0], eager[method](X))
 
 
+@pytest.mark.e2e  # a CPU lowering of the toy methods (~55 s on 2 cores); tests/test_lowering_orchestration.py keeps the plan's groups and the .ptd in the default run
 def test_one_method_extracted_alone_is_the_same_bytes(lowered, tmp_path):
     """``methods``: the method's .so and weights, byte for byte those of the full extraction, and nothing else."""
     assembled = lowered["assembled"]

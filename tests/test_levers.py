@@ -27,7 +27,8 @@ def write_variant(folder: Path, runner: dict, executorch: dict = None, check: di
     candidates = {"runner": runner} | ({"executorch": executorch} if executorch else {})
     results = {"command": f"bench {folder.name}", "environment": {"gpu": "test GPU"},
                "settings": {**SETTINGS, **settings},
-               "policies": [{"policy": "lingbot_va", "status": "done", "candidates": candidates}]}
+               "policies": [{"policy": "lingbot_va", "status": "done", "candidates": candidates,
+                             "ptd_bytes": 3 * 2**20}]}
     (folder / "chunk_latency.json").write_text(json.dumps(results))
     if check is not None:
         (folder / "policy_check.json").write_text(json.dumps({"policies": [{"policy": "lingbot_va",
@@ -63,8 +64,8 @@ def test_a_lever_that_failed_shows_no_ratio_and_its_check(tmp_path):
     by = {(r[0], r[1]): r[2:] for r in lever_rows(variants, "lingbot_va")[1:]}
     assert by[("runner", "chunk")] == ["400.000", "-", "-", "-"]
     verdicts = verdict_rows(variants, "lingbot_va")
-    assert verdicts[1] == ["base", "done", "5.00e-03", "passed", "1.900e-02", "2.400e-02"]
-    assert verdicts[2] == ["split_kv", "failed", "-", "not run", "-", "-"]
+    assert verdicts[1] == ["base", "done", "3.0", "5.00e-03", "passed", "1.900e-02", "2.400e-02"]
+    assert verdicts[2] == ["split_kv", "failed", "-", "-", "not run", "-", "-"]
 
 
 def run_script(monkeypatch, *args) -> int:

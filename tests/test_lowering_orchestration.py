@@ -120,23 +120,30 @@ def verified(run, recipe):
     return verify.verify_artifact(run, recipe, device="cpu", runner_factory=CpuRunner, runtimes=["aoti"])
 
 
+def lower_toy(root: Path, name: str, workers: int) -> dict:
+    run, recipe = run_folder(root / name)
+    lines = []
+    result = lowering.lower_to_pte(programs(), run, recipe, workers=workers, method_lowering=PROBE_LOWERING,
+                                   say=lines.append)
+    return {"run": run, "recipe": recipe, "result": result, "lines": lines}
+
+
 @pytest.fixture(scope="module")
 def lowered(tmp_path_factory):
-    """The same unit lowered twice: both methods at once in two worker processes, and one after another in
-    this process (``workers=1``)."""
-    root = tmp_path_factory.mktemp("orchestration")
-    out = {}
-    for name, workers in (("parallel", 2), ("sequential", 1)):
-        run, recipe = run_folder(root / name)
-        lines = []
-        result = lowering.lower_to_pte(programs(), run, recipe, workers=workers, method_lowering=PROBE_LOWERING,
-                                       say=lines.append)
-        out[name] = {"run": run, "recipe": recipe, "result": result, "lines": lines}
-    return out
+    """The unit lowered with both methods at once, in two worker processes."""
+    return {"parallel": lower_toy(tmp_path_factory.mktemp("orchestration"), "parallel", 2)}
 
 
-def test_parallel_and_sequential_lowerings_verify_alike_against_eager(lowered):
-    par, seq = (lowered[k] for k in ("parallel", "sequential"))
+@pytest.fixture(scope="module")
+def sequential(tmp_path_factory):
+    """The same unit lowered one method after another in this process (``workers=1``)."""
+    return lower_toy(tmp_path_factory.mktemp("orchestration-sequential"), "sequential", 1)
+
+
+@pytest.mark.e2e  # a second CPU lowering of the unit (~1 minute on 2 cores)
+def test_parallel_and_sequential_lowerings_verify_alike_against_eager(lowered, sequential):
+    par, seq = lowered["parallel"], sequential
+    lowered = {"parallel": par, "sequential": seq}
     assert par["result"].workers == {"count": 2, "why": "asked for", "in_process": False, "reused": []}
     assert seq["result"].workers["in_process"] is True
     assert any(line.startswith("lowering observe: worker ") for line in par["lines"])  # a worker process each
@@ -144,6 +151,7 @@ def test_parallel_and_sequential_lowerings_verify_alike_against_eager(lowered):
     assert got["parallel"].ok and got["sequential"].ok
     rows = {k: [(r.method, r.seed, r.output, r.max_abs, r.rel_l2, r.cosine) for r in v.rows] for k, v in got.items()}
     assert rows["parallel"] == rows["sequential"]
+    assert seq["run"].ptd.read_bytes() == par["run"].ptd.read_bytes()  # the same .ptd, whichever way
     assert sorted({(m, s) for m, s, *_ in rows["parallel"]}) == sorted((m, s) for m in METHODS for s in (0, 1))
     # Against eager directly as well, with the inputs verification draws (the .so takes act's inputs permuted).
     eager = {m: p.module() for m, p in programs().items()}
@@ -176,8 +184,6 @@ def test_the_ptd_holds_the_shared_weights_once(lowered):
     used = trunk_bytes + sum(p.numel() * p.element_size() for p in encoder.parameters())
     assert result.ptd_bytes <= 1.05 * used
     assert weights["shared_bytes"] == weights["entries"]["act_weights_blob"] > 0.9 * trunk_bytes
-    seq = lowered["sequential"]
-    assert seq["run"].ptd.read_bytes() == lowered["parallel"]["run"].ptd.read_bytes()
     assert "observe = act (one segment)" in result.table()
 
 
@@ -192,7 +198,9 @@ def test_the_shared_blob_is_extracted_once_and_reused_while_unchanged(lowered, t
     copy = RunFolder(tmp_path / "copy")
     shutil.copytree(run.path, copy.path)
     assert artifact.reusable_method_files(copy.pte, copy.ptd, copy.so_dir, list(METHODS)) is None
-    shutil.copyfile(lowered["sequential"]["run"].ptd, run.ptd)  # the same bytes, but another write
+    same = tmp_path / "same.ptd"
+    shutil.copyfile(run.ptd, same)
+    shutil.copyfile(same, run.ptd)  # the same bytes, but another write
     assert artifact.reusable_method_files(run.pte, run.ptd, run.so_dir, list(METHODS)) is None
     files = artifact.extract_method_files(run.pte, run.ptd, run.so_dir)
     assert artifact.reusable_method_files(run.pte, run.ptd, run.so_dir, list(METHODS)) is not None

@@ -218,6 +218,7 @@ def buffer_run(shared_cache):
     return exported.path
 
 
+@pytest.mark.e2e  # the buffer layout's own tiny export (~75 s on 2 cores)
 def test_buffer_layout_passes_the_policy_check_over_two_episodes_of_one_runner(buffer_run, recipe):
     """The export's own CPU policy check against LeRobot's select_action, float32, at the io layout's tolerance:
     the steps take and return no pool, which lives in one K and one V buffer per layer that both DiT programs hold
@@ -238,6 +239,7 @@ def test_buffer_layout_passes_the_policy_check_over_two_episodes_of_one_runner(b
         assert held == set(settings.kv_pool.buffer_names()) == {"k_pool_0", "v_pool_0", "k_pool_1", "v_pool_1"}
 
 
+@pytest.mark.e2e  # the buffer layout's own tiny export (~75 s on 2 cores)
 def test_a_runner_whose_two_methods_keep_separate_pools_fails_the_policy_check(buffer_run, prompt_file, observations,
                                                                                expected):
     """Built to fail: action_step given a pool of its own (as a runtime that does not share them would) no longer
@@ -253,6 +255,7 @@ def test_a_runner_whose_two_methods_keep_separate_pools_fails_the_policy_check(b
     assert not broken.ok and broken.rows[0].rel_l2 > 1e-2, broken.table()
 
 
+@pytest.mark.e2e  # the buffer layout's own tiny export (~75 s on 2 cores)
 def test_a_backend_that_would_not_share_the_pool_is_refused_at_load(buffer_run, monkeypatch):
     from zoo.runner.state import SharedBuffers
 
@@ -283,6 +286,7 @@ def with_weight_blobs(lowered, blobs):
 ONE_TABLE = {"video_step": b"weights" * 64, "action_step": b"weights" * 64}
 
 
+@pytest.mark.e2e  # the buffer layout's own tiny export (~75 s on 2 cores)
 def test_executorch_backend_shares_the_pool_inside_the_runtime(buffer_run, prompt_file, observations, expected,
                                                               fake_zoo_runner, tmp_path):
     """Over backend="executorch" (the fake zoo_runner shares the methods' buffers by name, as the CUDA backend with
@@ -305,6 +309,7 @@ def test_executorch_backend_shares_the_pool_inside_the_runtime(buffer_run, promp
     ("", {"video_step": b"weights" * 64, "action_step": b"others!" * 64},
      "weights blobs of video_step, action_step differ"),
 ])
+@pytest.mark.e2e  # the buffer layout's own tiny export (~75 s on 2 cores)
 def test_executorch_backend_that_cannot_share_the_pool_is_refused(buffer_run, fake_zoo_runner, monkeypatch, tmp_path,
                                                                   case, blobs, match):
     """A zoo_runner without weight sharing across methods, or methods whose constant tables differ (ExecuTorch's

@@ -93,16 +93,19 @@ def lever_rows(variants: Sequence[Variant], policy: str) -> List[List[str]]:
 
 
 def verdict_rows(variants: Sequence[Variant], policy: str) -> List[List[str]]:
-    """Per variant: whether it lowered and was timed, and its policy check (the pooled rule's numbers)."""
-    rows = [["variant", "bench", "runner vs LeRobot eager rel L2", "policy check", "pooled rel L2", "bound"]]
+    """Per variant: whether it lowered and was timed, its artifact's size (a quantized lever's point), and its
+    policy check (the pooled rule's numbers)."""
+    rows = [["variant", "bench", ".ptd MiB", "runner vs LeRobot eager rel L2", "policy check", "pooled rel L2",
+             "bound"]]
     for v in variants:
         record = v.policy(policy)
         rel = ((record.get("candidates") or {}).get("runner") or {}).get("vs_eager_rel_l2")
+        ptd = record.get("ptd_bytes")
         check = v.check(policy) or {}
         pooled = ((check.get("result") or {}).get("pooled")) or {}
-        rows.append([v.name, record.get("status", "missing"), f"{rel:.2e}" if rel is not None else "-",
-                     check.get("status", "not run"), f"{pooled['rel_l2']:.3e}" if pooled else "-",
-                     f"{pooled['bound']:.3e}" if pooled else "-"])
+        rows.append([v.name, record.get("status", "missing"), f"{ptd / 2**20:.1f}" if ptd else "-",
+                     f"{rel:.2e}" if rel is not None else "-", check.get("status", "not run"),
+                     f"{pooled['rel_l2']:.3e}" if pooled else "-", f"{pooled['bound']:.3e}" if pooled else "-"])
     return rows
 
 
