@@ -4,6 +4,8 @@ caught by the CPU check, and a cost over the recipe's bound refused by the expor
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import subprocess
 import sys
@@ -47,17 +49,24 @@ def test_int4_is_refused_with_the_measured_reason_before_anything_runs():
     assert "_convert_weight_to_int4pack" in err.value.message and "int8-weight-only" in err.value.hint
 
 
-@pytest.fixture(scope="module")
-def quantized(tmp_path_factory):
-    """The tiny Llama unit quantized int8 weight-only, its unquantized copies, exported and rewritten."""
-    recipe = load_recipe(RECIPE, ["unit.quantize=int8-weight-only"])
-    run = RunFolder(tmp_path_factory.mktemp("quantized") / "run")
+@contextlib.contextmanager
+def quantized_unit(recipe, folder: Path):
+    """The recipe's unit built and quantized by the pipeline's own steps, inside its source environment: (run,
+    report, checkpoint, unit, the unquantized baselines)."""
+    run = RunFolder(folder / "run")
     run.path.mkdir(parents=True)
     report = RunReport(run.path, recipe.to_dict())
     with pipeline.source_environment(recipe, report):
         checkpoint = pipeline.pull_step(recipe, run, report)
         unit = pipeline.build_step(checkpoint, recipe, run, report)
-        baselines = pipeline.quantize_step(unit, recipe, report)
+        yield run, report, checkpoint, unit, pipeline.quantize_step(unit, recipe, report)
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """The tiny Llama unit quantized int8 weight-only, its unquantized copies, exported and rewritten."""
+    recipe = load_recipe(RECIPE, ["unit.quantize=int8-weight-only"])
+    with quantized_unit(recipe, tmp_path_factory.mktemp("quantized")) as (run, report, _, unit, baselines):
         programs, reference = pipeline.export_step(unit, recipe, run, report, save=False)
         rewritten = pipeline.rewrite_step(programs, recipe, report)
     return recipe, report, unit, baselines, rewritten, reference
@@ -131,13 +140,7 @@ def bf16_quantized(tmp_path_factory):
 
     recipe = load_recipe("fast-wam-tiny", ["unit.dtype=bfloat16", "unit.quantize=int8-weight-only",
                                            "unit.quantize.group_size=32", "unit.quantize.exclude=[proprio_encoder]"])
-    run = RunFolder(tmp_path_factory.mktemp("bf16-quantized") / "run")
-    run.path.mkdir(parents=True)
-    report = RunReport(run.path, recipe.to_dict())
-    with pipeline.source_environment(recipe, report):
-        checkpoint = pipeline.pull_step(recipe, run, report)
-        unit = pipeline.build_step(checkpoint, recipe, run, report)
-        pipeline.quantize_step(unit, recipe, report)
+    with quantized_unit(recipe, tmp_path_factory.mktemp("bf16-quantized")) as (run, report, checkpoint, unit, _):
         policy, _, _ = policies.load_family("fast_wam").lerobot_policy(checkpoint.path, load_recipe("fast-wam-tiny"))
     loaded = {name: m.weight.detach().clone() for name, m in policy.named_modules() if isinstance(m, torch.nn.Linear)}
     return recipe, report, run, unit, policy, loaded
