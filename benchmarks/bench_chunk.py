@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "'unit.methods=[prompt_kv,vae_encode_first,vae_encode,video_step,action_step]'")
     p.add_argument("--layers", type=int, default=None, metavar="N",
                    help="the policy's real width at N blocks per transformer (zoo.bench.seeded.depth_overrides): "
-                        "several lowerings fit one machine loan; not the policy's real latency")
+                        "several lowerings take less time than one at full depth; not the policy's real latency")
     p.add_argument("--only", choices=("lower", "bench", "check"), default=None,
                    help="lower: build, export and lower only; bench: time an already-lowered run only; check: "
                         "the policy check of an already-lowered run only")

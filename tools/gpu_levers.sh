@@ -6,7 +6,7 @@
 #
 # WORK: a folder tools/gpu_background.sh set up (WORK/env.sh; its runtime job builds zoo_runner, which the
 # executorch candidate and the policy check use). POLICY: lingbot_va or fast_wam. --layers: the real width at N
-# blocks (bench_chunk.py --layers), so that several lowerings fit one machine loan. --set: an override every
+# blocks (bench_chunk.py --layers), so that several lowerings take less time than one at full depth. --set: an override every
 # variant takes. --lever: a named variant's override; a name given twice takes both.
 # Each variant's bench_chunk output goes to WORK/levers/NAME, the table to WORK/levers/levers.md. Only the
 # baseline times the strong PyTorch candidate (it compiles each variant's own programs, so it would carry the

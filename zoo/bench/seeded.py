@@ -119,7 +119,7 @@ def fast_wam_config(recipe):
 
 def depth_overrides(family: str, recipe, layers: int) -> List[str]:
     """Recipe overrides that keep a policy's real width at ``layers`` blocks per transformer. Several lowerings of
-    one policy then fit one machine loan (a lever's before and after, side by side); what a block costs is the
+    one policy then take less time than one at full depth (a lever's before and after, side by side); what a block costs is the
     same, so per-block savings carry over, while the floor and every fixed per-call cost do not scale."""
     if layers < 1:
         raise ValueError(f"layers must be >= 1, not {layers}")
