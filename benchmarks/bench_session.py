@@ -24,6 +24,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
+from zoo.bench.roofline import split_medians
 from zoo.runtimes import executorch as et_runtime
 from zoo.contract.artifact import PTE_NAME
 from zoo.contract.tensor_file import write_tensor
@@ -99,11 +100,6 @@ def time_calls(pte: Path, runner: str, calls: int, work: Path) -> Tuple[Dict[str
     return times, parts
 
 
-def part_medians(timings: list) -> Dict[str, float]:
-    return {name: statistics.median(getattr(t, name) for t in timings)
-            for name in ("write", "execute", "runtime_io", "pipe", "read")}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runner", help="a built zoo_runner (default $ZOO_ET_RUNNER)")
@@ -123,7 +119,7 @@ def main() -> int:
     for mode, values in times.items():
         values.sort()
         medians[mode] = statistics.median(values)
-        split = ("  " + " ".join(f"{v:>{w}.3f}" for v, w in zip(part_medians(parts[mode]).values(),
+        split = ("  " + " ".join(f"{v:>{w}.3f}" for v, w in zip(split_medians(parts[mode]).values(),
                                                                  (6, 7, 6, 6, 6)))) if mode in parts else ""
         print(f"{mode:<11} {medians[mode]:9.3f} {values[len(values) // 10]:7.3f} "
               f"{values[len(values) * 9 // 10]:7.3f}{split}")

@@ -49,15 +49,19 @@ def chunk_ms(record: Dict[str, Any], candidate: str) -> Optional[float]:
     return (((record.get("candidates") or {}).get(candidate) or {}).get("chunk_ms") or {}).get("median")
 
 
+def _methods(record: Dict[str, Any], candidate: str) -> List[Dict[str, Any]]:
+    """The rows of the candidate's call-by-call episode, one per method (``chunk_runners.roofline``)."""
+    return (((record.get("candidates") or {}).get(candidate) or {}).get("roofline") or {}).get("methods", [])
+
+
 def method_ms(record: Dict[str, Any], candidate: str) -> Dict[str, float]:
     """Each method's median call (ms) from the candidate's call-by-call episode."""
-    roof = ((record.get("candidates") or {}).get(candidate) or {}).get("roofline") or {}
-    return {m["method"]: m["median_ms"] for m in roof.get("methods", []) if m.get("median_ms") is not None}
+    return {m["method"]: m["median_ms"] for m in _methods(record, candidate) if m.get("median_ms") is not None}
 
 
 def method_floor(record: Dict[str, Any]) -> Dict[str, float]:
-    roof = ((record.get("candidates") or {}).get("runner") or {}).get("roofline") or {}
-    return {m["method"]: m["floor_ms"] for m in roof.get("methods", []) if m.get("floor_ms")}
+    """Each method's floor (ms); every runner candidate makes the same calls, so the runner's serves."""
+    return {m["method"]: m["floor_ms"] for m in _methods(record, "runner") if m.get("floor_ms")}
 
 
 def _ms(value: Optional[float]) -> str:
@@ -76,9 +80,9 @@ def lever_rows(variants: Sequence[Variant], policy: str) -> List[List[str]]:
     for lever in levers:
         head += [f"{lever.name} ms", f"{lever.name}/{base.name}"]
     rows = [head + ["floor ms"]]
-    floors = method_floor(base.policy(policy))
+    before = base.policy(policy)
+    floors = method_floor(before)
     for candidate in CANDIDATES:
-        before = base.policy(policy)
         if chunk_ms(before, candidate) is None:
             continue
         whats = [("chunk", lambda r: chunk_ms(r, candidate))]

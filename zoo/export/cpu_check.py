@@ -20,7 +20,7 @@ from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
 from zoo.core.errors import VerificationFailed
-from zoo.export.trace import example_sizes
+from zoo.export.trace import HALF, example_sizes
 from zoo.core.numerics import compare, judge, judge_low_precision
 from zoo.core.progress import steps
 from zoo.policies.base import ExportUnit
@@ -29,7 +29,6 @@ from zoo.runner.state import SharedBuffers
 # Verification inputs are drawn from seed + this offset, so they are never the example inputs torch.export
 # traced with (a value baked into the graph would go unnoticed on those).
 SEED_OFFSET = 10_000
-HALF = (torch.bfloat16, torch.float16)
 
 
 def check_cases(recipe, base: Optional[Dict[str, int]] = None) -> List[Dict[str, int]]:
