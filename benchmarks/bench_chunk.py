@@ -161,9 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the policy check of an already-lowered run only")
     p.add_argument("--policy-check", action="store_true",
                    help="after the timing, zoo's policy check of the run (bf16 rule for a bf16 unit)")
-    p.add_argument("--backend", choices=("artifact", "executorch", "eager"), default="artifact",
-                   help="the runner's backend (executorch: ExecuTorch's runtime, $ZOO_ET_RUNNER; eager: the rewritten "
-                        "programs, for a CPU check of this script)")
+    p.add_argument("--backend", choices=("artifact", "executorch", "executorch-inprocess", "eager"), default="artifact",
+                   help="the runner's backend (executorch: ExecuTorch's runtime, $ZOO_ET_RUNNER; executorch-inprocess: "
+                        "the same runtime in this process, alone: no other candidate may run torch's AOTI runner; "
+                        "eager: the rewritten programs, for a CPU check of this script)")
     p.add_argument("--executorch", action="store_true",
                    help="also time the runner on ExecuTorch's runtime ($ZOO_ET_RUNNER), side by side")
     p.add_argument("--cuda-graphs", action="store_true",

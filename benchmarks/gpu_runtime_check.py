@@ -31,8 +31,8 @@ from zoo.contract.artifact import extract_method_files  # noqa: E402
 from zoo.core.errors import ZooError  # noqa: E402
 from zoo.core.report import format_table  # noqa: E402
 from zoo.contract.run_folder import RunFolder  # noqa: E402
-from zoo.export.runtime_sequence import (IO_MODES, io_positions, pool_sequence, result_passed,  # noqa: E402
-                               state_positions, summary_rows)
+from zoo.export.runtime_sequence import (IO_MODES, io_positions, method_inputs, pool_sequence,  # noqa: E402
+                                         result_passed, state_positions, summary_rows)
 from zoo.contract.tensor_file import write_tensor  # noqa: E402
 from zoo.export.verify_runtimes import choose_runtimes  # noqa: E402
 
@@ -54,17 +54,6 @@ def verification_from_report(run: RunFolder) -> Dict[str, Any]:
 
 
 # --- latency and GPU memory after loading --------------------------------------------------------------------------------
-
-
-def _latency_inputs(run: RunFolder, recipe, method: str):
-    io_spec = run.read_io_spec()
-    if recipe is not None:
-        sizes, seed = verify.size_cases(io_spec, recipe)[0], recipe.verify.seeds[0]
-    else:  # a run folder without its recipe: the smallest size of each dynamic dim, seed 0
-        sizes, seed = {d: r.min for d, r in io_spec.dynamic.items()}, 0
-    specs = list(io_spec.methods[method].inputs)
-    used = {d: sizes[d] for spec in specs for d in spec.shape if isinstance(d, str)}
-    return used, seed, verify.draw_inputs(specs, used, seed, method)
 
 
 def _percentiles(times: List[float]) -> Dict[str, float]:
@@ -144,7 +133,7 @@ def aoti_latency(run: RunFolder, method: str, inputs: List[torch.Tensor], state:
 
 def latency(run: RunFolder, recipe, method: str, runner: Path, work: Path, warmup: int, iters: int) -> Dict[str, Any]:
     """One method on zoo_runner and on torch's AOTI runner, each in every I/O mode (``IO_MODES``)."""
-    used, seed, inputs = _latency_inputs(run, recipe, method)
+    used, seed, inputs = method_inputs(run, recipe, method)
     state = state_positions(run, method)
     row: Dict[str, Any] = {"method": method, "seed": seed, "sizes": used, "warmup": warmup, "iters": iters,
                            "state": state}

@@ -8,12 +8,13 @@
 #      remote or a local mirror).
 # --tarball FILE: an ExecuTorch source tarball (.tar.xz/.tar.gz) extracting to executorch/ with those submodules,
 #      for a machine without network (docs/runtime.md: how to make one from the clone).
-# OUT_DIR: gets src/ (the unpacked tarball or the clone), build/ (CMake + ninja), build.log, stamp.json, status, and the runner
-#      at OUT_DIR/build/zoo_runner. The last line on stderr (and in build.log) is the wall time.
+# OUT_DIR: gets src/ (the unpacked tarball or the clone), build/ (CMake + ninja), build.log, stamp.json, status, the
+#      runner at OUT_DIR/build/zoo_runner and the in-process library at OUT_DIR/build/libzoo_session.so. The last
+#      line on stderr (and in build.log) is the wall time.
 # In the background: `nice -n 10 scripts/build_runtime.sh SRC OUT > OUT.console 2>&1 &`, then poll OUT/status: one
 #      line, "running: ...", then "ok: built in N s wall ...; runner PATH" or "failed: exit N after N s; log ...".
-# Builds only the target zoo_runner needs (runtime core, Module/FlatTensor extensions, portable kernels and, with
-# CUDA, the CUDA backend and its shim library), in Release with ExecuTorch's logging compiled in.
+# Builds only the targets zoo_runner and libzoo_session.so need (runtime core, Module/FlatTensor extensions, portable
+# kernels and, with CUDA, the CUDA backend and its shim library), in Release with ExecuTorch's logging compiled in.
 # A second call with the same source, flags and tools reuses OUT_DIR (configure skipped, ninja finds nothing to do).
 # Patches: runtime/patches/executorch-<MAJOR.MINOR>-*.patch are applied to a source of that release (a tarball as
 #   it is unpacked, a tree to a copy under OUT_DIR/src) in sorted order and named in the stamp and in `zoo_runner
@@ -218,7 +219,7 @@ KEY="$(printf '%s\n' "$SRC_HASH" "$CUDA" "${CMAKE_FLAGS[*]}" "$CMAKE_VERSION" "$
        "$TORCH_VERSION" "${TORCH_CUDA_ARCH_LIST:-}" "$RUNNER_SRC" | sha256sum | cut -d' ' -f1)"
 
 reused=false
-if [ -f "$STAMP" ] && [ -x "$BUILD/zoo_runner" ] \
+if [ -f "$STAMP" ] && [ -x "$BUILD/zoo_runner" ] && [ -f "$BUILD/libzoo_session.so" ] \
    && "$PY" -c 'import json,sys; sys.exit(json.load(open(sys.argv[1])).get("key") != sys.argv[2])' "$STAMP" "$KEY"; then
   reused=true
 fi
@@ -238,9 +239,9 @@ else
   : >> "$LOG"
 fi
 
-echo "[build_runtime] building zoo_runner with $JOBS jobs" >&2
+echo "[build_runtime] building zoo_runner and libzoo_session.so with $JOBS jobs" >&2
 t0=$(date +%s.%N)
-if ! "$CMAKE" --build "$BUILD" --target zoo_runner -j "$JOBS" >> "$LOG" 2>&1; then
+if ! "$CMAKE" --build "$BUILD" --target zoo_runner zoo_session -j "$JOBS" >> "$LOG" 2>&1; then
   tail -60 "$LOG" >&2; echo "[build_runtime] build FAILED; full log: $LOG" >&2; exit 1
 fi
 build_s=$(elapsed "$t0")

@@ -21,51 +21,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from zoo.runtimes import executorch as et_runtime
 from zoo.core.errors import RuntimeCallFailed
 from zoo.contract.tensor_file import read_tensor, write_tensor
-from support.modules import PoolWrite  # noqa: E402
+from support import portable_program
 
 RUNNER = os.environ.get(et_runtime.RUNNER_ENV)
 pytestmark = pytest.mark.skipif(not RUNNER or not Path(RUNNER).is_file(),
                                 reason=f"no built zoo_runner (set {et_runtime.RUNNER_ENV}; scripts/build_runtime.sh)")
 
 
-class Gather(nn.Module):
-    """float32 weights (external constants -> .ptd), int64 indices and a bool mask, in that order."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 3)
-
-    def forward(self, x, idx, mask):
-        return self.lin(x[idx]) * mask.unsqueeze(-1).to(x.dtype), idx * 2
-
-
-MODULES = {"gather": Gather().eval(), "video_step": PoolWrite(1.0), "action_step": PoolWrite(-2.0)}
+MODULES = portable_program.modules()
 
 
 @pytest.fixture(scope="module")
 def program(tmp_path_factory):
-    from executorch.exir import ExecutorchBackendConfig, to_edge
-
-    from zoo.contract.artifact import ensure_flatc
-
-    ensure_flatc()  # writing a .pte needs flatc
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("program")
-    examples = {"gather": (torch.randn(5, 4), torch.tensor([0, 3, 1]), torch.tensor([True, False, True])),
-                "video_step": (torch.randn(2, 4), torch.tensor([1, 3]), torch.zeros(5, 4))}
-    examples["action_step"] = examples["video_step"]
-    eps = {m: torch.export.export(MODULES[m], examples[m]) for m in MODULES}
-    prog = to_edge(eps).to_executorch(ExecutorchBackendConfig(external_constants=True))
-    (d / "model.pte").write_bytes(prog.buffer)
-    prog.write_tensor_data_to_file(str(d))
-    ptds = list(d.glob("*.ptd"))
-    assert len(ptds) == 1, "the weights should have gone to one .ptd"
-    return d / "model.pte", ptds[0]
+    return portable_program.build(tmp_path_factory.mktemp("program"), MODULES)
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -76,15 +48,8 @@ def summary(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def gather_inputs(seed: int):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(5, 4, generator=g), torch.randint(0, 5, (3,), generator=g), torch.rand(3, generator=g) > 0.4]
-
-
-def close(got: torch.Tensor, want: torch.Tensor) -> bool:
-    # portable kernels and ATen may round a 4-term dot product differently; relative L2 within float32 eps
-    return got.dtype == want.dtype and got.shape == want.shape and bool(
-        torch.linalg.vector_norm((got - want).double()) <= 1e-6 * torch.linalg.vector_norm(want.double()))
+gather_inputs = portable_program.gather_inputs
+close = portable_program.close
 
 
 def test_info_names_the_build():
@@ -190,10 +155,7 @@ def test_bad_command_lines(program):
         assert proc.returncode == 2 and words in summary(proc)["error"]
 
 
-def _pool_calls(n, seed=21):
-    g = torch.Generator().manual_seed(seed)
-    return [(("video_step", "action_step")[i % 2], torch.randn(2, 4, generator=g), torch.randperm(5, generator=g)[:2])
-            for i in range(n)]
+_pool_calls = portable_program.pool_calls
 
 
 def _eager_pools(calls):

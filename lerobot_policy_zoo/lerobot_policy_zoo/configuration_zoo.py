@@ -21,7 +21,8 @@ from lerobot.configs.policies import PreTrainedConfig
 from lerobot.configs.types import FeatureType, PolicyFeature
 from lerobot.optim.optimizers import AdamWConfig
 
-BACKENDS = ("eager", "artifact", "executorch")  # zoo.runner.BACKENDS, without importing the runner here
+# zoo.runner.BACKENDS, without importing the runner here
+BACKENDS = ("eager", "artifact", "executorch", "executorch-inprocess")
 
 
 class ZooConfigError(ValueError):

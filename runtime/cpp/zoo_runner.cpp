@@ -20,12 +20,7 @@
 // Exit status: 0 ok, 2 bad command line or input file, 3 the program or a method failed to load (or cannot run on
 // this GPU), 4 a call failed.
 //
-// On the GPU (ExecuTorch 1.2's CUDA backend, backends/cuda/runtime/cuda_backend.cpp): every method of the program
-// is put in the backend's skip_copy_output_to_cpu_for_method list, so outputs stay on the GPU and zoo_runner copies
-// back only what a caller reads; an input given as a device pointer is used as it is; all methods share one CUDA
-// stream. An artifact lowered with its graph inputs memory-planned cannot take a device pointer (Method::set_input
-// memcpy's into planned memory): such an input is copied to the host first and counted ("host_copies").
-// Inputs are given in the method's signature order: the runtime hands them to the compiled .so in its own order.
+// How a program is loaded and called, on the host or the GPU: method_runner.h.
 
 #include <algorithm>
 #include <chrono>
@@ -49,22 +44,15 @@
 #include <executorch/runtime/backend/options.h>
 #include <executorch/runtime/platform/log.h>
 #include <executorch/runtime/platform/runtime.h>
-#if __has_include(<executorch/runtime/core/version.h>)
-#include <executorch/runtime/core/version.h>
-#endif
-#ifndef ET_VERSION
-#define ET_VERSION "unknown"
-#endif
-#ifndef ZOO_RUNTIME_PATCHES
-#define ZOO_RUNTIME_PATCHES ""
-#endif
-
 #ifdef ZOO_RUNNER_CUDA
 #include <cuda_runtime.h>
 #endif
 
+#include "build_facts.h"
 #include "device_values.h"
 #include "gpu_targets.h"
+#include "json_text.h"
+#include "method_runner.h"
 #include "tensor_file.h"
 
 namespace {
@@ -76,7 +64,20 @@ using executorch::runtime::Error;
 using executorch::runtime::EValue;
 using executorch::runtime::MethodMeta;
 using executorch::runtime::Tag;
+using zoo::CallResult;
+using zoo::JsonObject;
+using zoo::emit;
+using zoo::json_bools;
+using zoo::json_list;
+using zoo::json_number;
+using zoo::json_string;
+using zoo::json_strings;
 using zoo::HostTensor;
+using zoo::MethodRunner;
+using zoo::ms_since;
+using zoo::OutMode;
+using zoo::OutSpec;
+using zoo::PlannedMemory;
 using zoo::Value;
 
 constexpr int kExitUsage = 2;
@@ -88,83 +89,8 @@ constexpr int kProtocol = 2;
 // How many past calls' host outputs a plan can still refer to with @S:K (older ones are released).
 constexpr size_t kHistory = 16;
 
-// --- a minimal JSON writer (the summary is flat: strings, numbers, bools, lists) ----------------------------------
 
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-          out += buf;
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
-
-std::string json_number(double v) {
-  if (!std::isfinite(v)) {
-    return "null";
-  }
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.6g", v);
-  return buf;
-}
-
-class JsonObject {
- public:
-  JsonObject& raw(const std::string& key, const std::string& value) {
-    fields_.push_back(json_string(key) + ": " + value);
-    return *this;
-  }
-  JsonObject& str(const std::string& key, const std::string& value) { return raw(key, json_string(value)); }
-  JsonObject& num(const std::string& key, double value) { return raw(key, json_number(value)); }
-  JsonObject& boolean(const std::string& key, bool value) { return raw(key, value ? "true" : "false"); }
-  std::string text() const {
-    std::string out = "{";
-    for (size_t i = 0; i < fields_.size(); ++i) {
-      out += (i ? ", " : "") + fields_[i];
-    }
-    return out + "}";
-  }
-
- private:
-  std::vector<std::string> fields_;
-};
-
-template <typename T, typename F>
-std::string json_list(const std::vector<T>& items, F to_json) {
-  std::string out = "[";
-  for (size_t i = 0; i < items.size(); ++i) {
-    out += (i ? ", " : "") + to_json(items[i]);
-  }
-  return out + "]";
-}
-
-std::string sizes_json(const std::vector<int64_t>& sizes) {
-  return json_list(sizes, [](int64_t v) { return std::to_string(v); });
-}
-
-void emit(const JsonObject& obj) {
-  std::cout << obj.text() << std::endl;  // endl flushes: a caller on the other end of a pipe waits for it
-}
-
-
-std::string json_strings(const std::vector<std::string>& items) { return json_list(items, json_string); }
-
-std::string json_bools(const std::vector<bool>& items) {
-  return json_list(items, [](bool b) { return std::string(b ? "true" : "false"); });
-}
+std::string sizes_json(const std::vector<int64_t>& sizes) { return zoo::shape_text(sizes); }
 
 // --- command line ---------------------------------------------------------------------------------------------------
 
@@ -297,51 +223,6 @@ std::string parse_args(int argc, char** argv, Options* o) {
   return "";
 }
 
-// --- the build -------------------------------------------------------------------------------------------------------
-
-std::string weight_sharing_state(const Options& o) {
-#if defined(ZOO_RUNNER_CUDA) && defined(ZOO_HAVE_WEIGHT_SHARING)
-  return o.weight_sharing ? "on" : "off (--no-weight-sharing)";
-#elif defined(ZOO_RUNNER_CUDA)
-  (void)o;
-  return std::string("not available (the CUDA backend of ExecuTorch ") + ET_VERSION +
-         " has no weight_sharing_across_methods option; it comes with 1.3, and zoo's patch for 1.2 was not applied)";
-#else
-  (void)o;
-  return "not applicable (built without the CUDA backend)";
-#endif
-}
-
-std::vector<std::string> registered_backends() {
-  std::vector<std::string> names;
-  for (size_t i = 0; i < executorch::runtime::get_num_registered_backends(); ++i) {
-    auto name = executorch::runtime::get_backend_name(i);
-    if (name.ok()) {
-      names.push_back(*name);
-    }
-  }
-  return names;
-}
-
-// "1.2" of "1.2.0": what an artifact's runtime requirement names.
-std::string release_of(const std::string& version) {
-  const size_t first = version.find('.');
-  const size_t second = first == std::string::npos ? std::string::npos : version.find('.', first + 1);
-  return version.substr(0, second);
-}
-
-void add_build_facts(JsonObject& obj, const Options& o) {
-  obj.str("executorch_version", ET_VERSION).str("release", release_of(ET_VERSION)).num("protocol", kProtocol);
-#ifdef ZOO_RUNNER_CUDA
-  obj.boolean("cuda", true);
-#else
-  obj.boolean("cuda", false);
-#endif
-  obj.str("weight_sharing_across_methods", weight_sharing_state(o));
-  obj.raw("patches", json_strings(split(ZOO_RUNTIME_PATCHES, ',')));
-  obj.raw("backends", json_strings(registered_backends()));
-}
-
 // --- GPU facts ------------------------------------------------------------------------------------------------------
 
 struct GpuMemory {
@@ -382,10 +263,6 @@ std::string gpu_name() {
   return "";
 }
 
-double ms_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
-}
-
 // Whether this GPU and host can run the artifact's kernels and host code, read from model.pte's bytes before
 // ExecuTorch loads it (gpu_targets.h): "" when they can, or when there is no GPU to ask (loading then says so);
 // else why, and what to do. Sets `kernels` to the kernel images found.
@@ -415,361 +292,6 @@ std::string check_gpu_targets(const std::string& model, std::string* kernels) {
 #endif
 }
 
-// --- tensors in and out ----------------------------------------------------------------------------------------------
-
-const char* tag_name(Tag tag) {
-  switch (tag) {
-    case Tag::None: return "None";
-    case Tag::Tensor: return "Tensor";
-    case Tag::String: return "String";
-    case Tag::Double: return "Double";
-    case Tag::Int: return "Int";
-    case Tag::Bool: return "Bool";
-    default: return "a list or other value";
-  }
-}
-
-// A non-tensor output as a 0-d host value (int64, float64, bool).
-std::string scalar_to_value(const EValue& v, Value* out) {
-  HostTensor h;
-  if (v.isInt()) {
-    const int64_t x = v.toInt();
-    h.dtype = 4;
-    h.data.assign(reinterpret_cast<const uint8_t*>(&x), reinterpret_cast<const uint8_t*>(&x) + 8);
-  } else if (v.isDouble()) {
-    const double x = v.toDouble();
-    h.dtype = 7;
-    h.data.assign(reinterpret_cast<const uint8_t*>(&x), reinterpret_cast<const uint8_t*>(&x) + 8);
-  } else if (v.isBool()) {
-    h.dtype = 11;
-    h.data.assign(1, v.toBool() ? 1 : 0);
-  } else {
-    return std::string("an output is ") + tag_name(v.tag) + ", which zoo_runner cannot write";
-  }
-  *out = zoo::host_value(std::move(h));
-  return "";
-}
-
-// Checks the inputs against the method's own signature before the runtime sees them, so that a wrong count or
-// dtype is named here.
-std::string check_inputs(const std::string& method, const MethodMeta& meta, const std::vector<Value>& inputs) {
-  if (meta.num_inputs() != inputs.size()) {
-    return "method " + method + " takes " + std::to_string(meta.num_inputs()) + " inputs, " +
-           std::to_string(inputs.size()) + " were given";
-  }
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    auto tag = meta.input_tag(i);
-    if (!tag.ok()) {
-      return "method " + method + ": cannot read the tag of input " + std::to_string(i);
-    }
-    if (*tag != Tag::Tensor) {
-      return "method " + method + ": input " + std::to_string(i) + " is " + tag_name(*tag) +
-             "; zoo_runner passes tensors only";
-    }
-    auto info = meta.input_tensor_meta(i);
-    if (!info.ok()) {
-      return "method " + method + ": cannot read the tensor meta of input " + std::to_string(i);
-    }
-    const uint32_t want = static_cast<uint32_t>(info->scalar_type());
-    if (inputs[i].dtype != want) {
-      return "method " + method + ": input " + std::to_string(i) + " is " + zoo::dtype_name(inputs[i].dtype) +
-             ", the method takes " + zoo::dtype_name(want);
-    }
-    if (info->sizes().size() != inputs[i].sizes.size()) {
-      std::vector<int64_t> want_sizes(info->sizes().begin(), info->sizes().end());
-      return "method " + method + ": input " + std::to_string(i) + " has shape " + sizes_json(inputs[i].sizes) +
-             ", the method takes rank " + std::to_string(want_sizes.size()) + " (" + sizes_json(want_sizes) + ")";
-    }
-  }
-  return "";
-}
-
-// --- the loaded program ----------------------------------------------------------------------------------------------
-
-// What becomes of one output of a call.
-enum class OutMode { Host, Keep, Drop };
-struct OutSpec {
-  OutMode mode = OutMode::Host;
-  std::string name;  // for Keep
-};
-
-struct CallResult {
-  std::string error;
-  double ms = 0;     // the method: execute() and the device synchronisation after it
-  double io_ms = 0;  // zoo_runner's own copies for this call (planned inputs to the host, host outputs back)
-  std::vector<Value> outputs;  // Host: a host value; Keep: the value as it came out; Drop and None: shape only
-  std::vector<bool> none, on_device;
-  int host_copies = 0;  // device inputs that crossed to the host because the method plans its input memory
-};
-
-struct PlannedMemory {
-  std::vector<bool> inputs, outputs;  // which graph inputs / outputs live in the method's planned (host) memory
-};
-
-class Runner {
- public:
-  explicit Runner(const Options& o) : options_(o) {}
-
-  // Returns "" or why loading failed (ExecuTorch's log on stderr says more).
-  std::string load(double* load_ms, std::vector<std::string>* loaded) {
-    module_ = std::make_unique<Module>(options_.model, options_.data, Module::LoadMode::Mmap);
-    const auto start = std::chrono::steady_clock::now();
-    const Error err = module_->load();
-    if (err != Error::Ok) {
-      return "cannot load program " + options_.model + ": " + executorch::runtime::to_string(err);
-    }
-    auto names = module_->method_names();
-    if (!names.ok()) {
-      return "cannot list the methods of " + options_.model + ": " + executorch::runtime::to_string(names.error());
-    }
-    std::vector<std::string> all(names->begin(), names->end());
-    std::sort(all.begin(), all.end());
-    std::string why = set_backend_options(all);
-    if (!why.empty()) {
-      return why;
-    }
-    std::vector<std::string> to_load = options_.load.empty() ? all : options_.load;
-    for (const auto& m : to_load) {
-      if (!names->count(m)) {
-        return "the program has no method " + m + " (it has " + join(all) + ")";
-      }
-      const Error e = module_->load_method(m);
-      if (e != Error::Ok) {
-        return "cannot load method " + m + ": " + executorch::runtime::to_string(e) +
-               " (ExecuTorch's log above says why; a missing .ptd, a dtype the runtime lacks, or an undefined "
-               "aoti_torch_* symbol are the usual causes)";
-      }
-      why = read_planned_memory(m);
-      if (!why.empty()) {
-        return why;
-      }
-      loaded->push_back(m);
-    }
-    const std::string sync = zoo::cuda_sync();
-    *load_ms = ms_since(start);
-    return sync;
-  }
-
-  const std::map<std::string, PlannedMemory>& planned() const { return planned_; }
-  uint64_t calls_of(const std::string& method) const {
-    auto it = calls_.find(method);
-    return it == calls_.end() ? 0 : it->second;
-  }
-  bool skip_copy() const { return !skip_copy_.empty(); }
-
-  // The number of outputs of a loaded method (0 and an error for one that is not loaded).
-  size_t num_outputs(const std::string& method, std::string* error) const {
-    if (!module_->is_method_loaded(method)) {
-      *error = "method " + method + " is not loaded (loaded: " + join(loaded_names()) + ")";
-      return 0;
-    }
-    auto meta = module_->method_meta(method);
-    if (!meta.ok()) {
-      *error = "cannot read the signature of " + method;
-      return 0;
-    }
-    return meta->num_outputs();
-  }
-
-  CallResult call(const std::string& method, const std::vector<Value>& inputs, const std::vector<OutSpec>& specs) {
-    CallResult r;
-    const size_t n_out = num_outputs(method, &r.error);
-    if (!r.error.empty()) return r;
-    if (!specs.empty() && specs.size() != n_out) {
-      r.error = "method " + method + " returns " + std::to_string(n_out) + " outputs, " +
-                std::to_string(specs.size()) + " output modes were given";
-      return r;
-    }
-    auto meta = module_->method_meta(method);
-    r.error = check_inputs(method, *meta, inputs);
-    if (!r.error.empty()) return r;
-    std::vector<executorch::extension::TensorPtr> keep;
-    std::vector<HostTensor> staged(inputs.size());
-    std::vector<EValue> values;
-    auto t0 = std::chrono::steady_clock::now();
-    r.error = bind_inputs(method, inputs, &staged, &keep, &values, &r.host_copies);
-    if (!r.error.empty()) return r;
-    r.io_ms = ms_since(t0);
-    const uint64_t call_number = ++calls_[method];
-    t0 = std::chrono::steady_clock::now();
-    auto result = module_->execute(method, values);
-    const std::string sync = zoo::cuda_sync();
-    r.ms = ms_since(t0);
-    if (!result.ok()) {
-      r.error = "method " + method + " failed: " + executorch::runtime::to_string(result.error());
-      return r;
-    }
-    if (!sync.empty()) {
-      r.error = "method " + method + ": " + sync;
-      return r;
-    }
-    t0 = std::chrono::steady_clock::now();
-    for (size_t k = 0; k < result->size() && r.error.empty(); ++k) {
-      const OutMode mode = specs.empty() ? OutMode::Host : specs[k].mode;
-      r.error = take_output((*result)[k], mode, method, call_number, &r);
-    }
-    r.io_ms += ms_since(t0);
-    return r;
-  }
-
-  std::vector<std::string> loaded_names() const {
-    std::vector<std::string> out;
-    auto names = module_->method_names();
-    if (names.ok()) {
-      for (const auto& n : *names) {
-        if (module_->is_method_loaded(n)) out.push_back(n);
-      }
-    }
-    std::sort(out.begin(), out.end());
-    return out;
-  }
-
- private:
-  static std::string join(const std::vector<std::string>& v) {
-    std::string out;
-    for (const auto& s : v) out += (out.empty() ? "" : ", ") + s;
-    return out.empty() ? "none" : out;
-  }
-
-  // Before any method loads: outputs of every method stay on the GPU (zoo_runner copies back what is read), all
-  // methods share one stream (a value one method leaves on the GPU is read by another), and weights are shared
-  // across methods where the backend can (1.3+, or 1.2 with zoo's patch).
-  std::string set_backend_options(const std::vector<std::string>& methods) {
-#ifdef ZOO_RUNNER_CUDA
-    if (!zoo::cuda_device_present()) {
-      return "";
-    }
-    std::string csv;
-    for (const auto& m : methods) csv += (csv.empty() ? "" : ",") + m;
-    if (csv.size() >= executorch::runtime::kMaxOptionValueLength) {
-      return "the method names (" + csv + ") do not fit the CUDA backend's option value (" +
-             std::to_string(executorch::runtime::kMaxOptionValueLength - 1) + " characters)";
-    }
-    executorch::runtime::BackendOptions<3> opts;
-    Error e = opts.set_option("skip_copy_output_to_cpu_for_method", csv.c_str());
-    if (e == Error::Ok) e = opts.set_option("use_shared_cuda_stream", true);
-#ifdef ZOO_HAVE_WEIGHT_SHARING
-    if (e == Error::Ok) e = opts.set_option("weight_sharing_across_methods", options_.weight_sharing);
-#endif
-    if (e == Error::Ok) e = executorch::runtime::set_option("CudaBackend", opts.view());
-    if (e != Error::Ok) {
-      return std::string("cannot set the CUDA backend's options: ") + executorch::runtime::to_string(e);
-    }
-    skip_copy_ = csv;
-    const std::string pool = zoo::keep_freed_memory_in_pool();
-    if (!pool.empty()) {
-      ET_LOG(Error, "freed GPU memory goes back to the driver after each call: %s", pool.c_str());
-    }
-#else
-    (void)methods;
-#endif
-    return "";
-  }
-
-  std::string read_planned_memory(const std::string& method) {
-    auto meta = module_->method_meta(method);
-    if (!meta.ok()) {
-      return "cannot read the signature of " + method;
-    }
-    PlannedMemory p;
-    for (size_t i = 0; i < meta->num_inputs(); ++i) {
-      auto info = meta->input_tensor_meta(i);
-      p.inputs.push_back(info.ok() && info->is_memory_planned());
-    }
-    for (size_t k = 0; k < meta->num_outputs(); ++k) {
-      auto info = meta->output_tensor_meta(k);
-      p.outputs.push_back(info.ok() && info->is_memory_planned());
-    }
-    planned_[method] = std::move(p);
-    return "";
-  }
-
-  // Each input as an EValue over the caller's data: a device pointer as it is (the backend uses it without a copy),
-  // host bytes for the backend to copy. An input the method plans memory for is copied into that (host) memory by
-  // Method::set_input, so a device value for it is first brought to the host (`staged`).
-  std::string bind_inputs(const std::string& method, const std::vector<Value>& inputs, std::vector<HostTensor>* staged,
-                          std::vector<executorch::extension::TensorPtr>* keep, std::vector<EValue>* values,
-                          int* host_copies) {
-    const auto& planned = planned_[method].inputs;
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      const Value& v = inputs[i];
-      void* data = v.host.data.empty() ? nullptr : const_cast<uint8_t*>(v.host.data.data());
-      if (v.on_device() && i < planned.size() && planned[i]) {
-        const std::string err = zoo::to_host(v, &(*staged)[i]);
-        if (!err.empty()) return "method " + method + ": input " + std::to_string(i) + ": " + err;
-        data = (*staged)[i].data.empty() ? nullptr : (*staged)[i].data.data();
-        ++*host_copies;
-      } else if (v.on_device()) {
-        if (!v.contiguous()) {
-          return "method " + method + ": input " + std::to_string(i) + " is a non-contiguous GPU value (strides " +
-                 sizes_json(v.strides) + "); fetch it and pass it as a file";
-        }
-        data = v.device->ptr;
-      }
-      std::vector<executorch::aten::SizesType> sizes(v.sizes.begin(), v.sizes.end());
-      keep->push_back(executorch::extension::from_blob(data, sizes, static_cast<ScalarType>(v.dtype)));
-      values->emplace_back(*keep->back());
-    }
-    return "";
-  }
-
-  // One output of a call, as its mode asks: copied to the host, held (on the GPU where it came out), or dropped.
-  std::string take_output(const EValue& ev, OutMode mode, const std::string& method, uint64_t call_number,
-                          CallResult* r) {
-    Value v;
-    bool device = false;
-    if (ev.isNone()) {
-      r->outputs.emplace_back();
-      r->none.push_back(true);
-      r->on_device.push_back(false);
-      return "";
-    }
-    if (!ev.isTensor()) {
-      std::string err = scalar_to_value(ev, &v);
-      if (!err.empty()) return err;
-    } else {
-      const Tensor& t = ev.toTensor();
-      v.dtype = static_cast<uint32_t>(t.scalar_type());
-      v.sizes.assign(t.sizes().begin(), t.sizes().end());
-      v.strides.assign(t.strides().begin(), t.strides().end());
-      const void* ptr = t.const_data_ptr();
-      device = zoo::is_device_pointer(ptr);
-      if (device) {
-        // The backend's allocation for this call's output: it frees it when the method runs again.
-        v.device = std::make_shared<zoo::DeviceBuffer>();
-        v.device->ptr = const_cast<void*>(ptr);
-        v.device->nbytes = t.nbytes();
-        v.device->method = method;
-        v.device->call = call_number;
-      } else if (mode != OutMode::Drop) {
-        // Host data lives in the method's planned memory, which its next call overwrites: copy it now.
-        std::string err = ptr == nullptr && t.numel() > 0 ? "output has no data" :
-            zoo::gather_contiguous(static_cast<const uint8_t*>(ptr), v.dtype, v.sizes, v.strides, &v.host);
-        if (!err.empty()) return "method " + method + ": " + err;
-        v.strides = zoo::contiguous_strides(v.sizes);
-      }
-    }
-    if (mode == OutMode::Host && v.on_device()) {
-      HostTensor h;
-      std::string err = zoo::to_host(v, &h);
-      if (!err.empty()) return "method " + method + ": " + err;
-      v = zoo::host_value(std::move(h));
-    } else if (mode == OutMode::Drop) {
-      v.device.reset();
-      v.host = HostTensor{};
-    }
-    r->outputs.push_back(std::move(v));
-    r->none.push_back(false);
-    r->on_device.push_back(device);
-    return "";
-  }
-
-  const Options& options_;
-  std::unique_ptr<Module> module_;
-  std::map<std::string, PlannedMemory> planned_;
-  std::map<std::string, uint64_t> calls_;
-  std::string skip_copy_;
-};
 
 std::string output_path(const std::string& dir, const std::string& stem, size_t k) {
   return dir + "/" + stem + ".out" + std::to_string(k) + ".zt";
@@ -836,7 +358,7 @@ struct Totals {
 
 // --- single mode ----------------------------------------------------------------------------------------------------
 
-int run_single(const Options& o, Runner& runner, JsonObject& summary, Totals& totals) {
+int run_single(const Options& o, MethodRunner& runner, JsonObject& summary, Totals& totals) {
   std::vector<Value> inputs(o.inputs.size());
   for (size_t i = 0; i < o.inputs.size(); ++i) {
     HostTensor t;
@@ -908,8 +430,8 @@ int run_single(const Options& o, Runner& runner, JsonObject& summary, Totals& to
 // --- plan mode -------------------------------------------------------------------------------------------------------
 
 struct Session {
-  Session(Runner& r, const Options& o) : runner(r), options(o) {}
-  Runner& runner;
+  Session(MethodRunner& r, const Options& o) : runner(r), options(o) {}
+  MethodRunner& runner;
   const Options& options;
   zoo::NamedValues named;
   std::deque<std::pair<size_t, CallResult>> history;  // the last kHistory calls, for @S:K
@@ -1115,7 +637,7 @@ bool is_command(const std::string& word) {
   return word == "zeros" || word == "upload" || word == "fetch" || word == "drop" || word == "names";
 }
 
-int run_plan(const Options& o, Runner& runner, JsonObject& summary, Totals& totals) {
+int run_plan(const Options& o, MethodRunner& runner, JsonObject& summary, Totals& totals) {
   std::ifstream file;
   std::istream* in = &std::cin;
   if (o.plan != "-") {
@@ -1190,7 +712,8 @@ int main(int argc, char** argv) {
     return kExitUsage;
   }
   executorch::runtime::runtime_init();
-  add_build_facts(summary, o);
+  zoo::add_build_facts(summary, o.weight_sharing);
+  summary.num("protocol", kProtocol);
   if (o.info) {
     emit(summary.boolean("ok", true));
     return 0;
@@ -1212,7 +735,7 @@ int main(int argc, char** argv) {
   const GpuMemory before = gpu_memory();  // the first CUDA call creates the context: "before" includes it
   double load_ms = 0;
   std::vector<std::string> loaded;
-  Runner runner(o);
+  MethodRunner runner(zoo::LoadOptions{o.model, o.data, o.load, o.weight_sharing});
   const std::string load_error = runner.load(&load_ms, &loaded);
   summary.raw("loaded", json_strings(loaded));
   if (!load_error.empty()) {

@@ -118,6 +118,10 @@ class RuntimeMismatch(RuntimeNotBuilt):
     """The zoo_runner found is another ExecuTorch release than the one the artifact was lowered for."""
 
 
+class RuntimeConflict(ZooError):
+    """Two runtimes would serve the compiled code's aoti_torch_* functions in one process (zoo.runtimes.shims)."""
+
+
 class RuntimeCallFailed(ZooError):
     """ExecuTorch's C++ runtime could not load the artifact or a call failed; its log says why."""
 

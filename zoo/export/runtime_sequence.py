@@ -170,6 +170,19 @@ def _state_crossing(result: Any) -> Dict[str, Any]:
             "rescued": int(result.summary.get("rescued", 0)), "kept_on_gpu": on_gpu}
 
 
+def method_inputs(run: RunFolder, recipe, method: str) -> Tuple[Dict[str, int], int, List[torch.Tensor]]:
+    """Inputs for timing ``method`` as verification draws them: the recipe's first size case and seed (without a
+    recipe: each dynamic dim's smallest size, seed 0). Returns the sizes used, the seed and the inputs."""
+    io_spec = run.read_io_spec()
+    if recipe is not None:
+        sizes, seed = verify.size_cases(io_spec, recipe)[0], recipe.verify.seeds[0]
+    else:
+        sizes, seed = {d: r.min for d, r in io_spec.dynamic.items()}, 0
+    specs = list(io_spec.methods[method].inputs)
+    used = {d: sizes[d] for spec in specs for d in spec.shape if isinstance(d, str)}
+    return used, seed, verify.draw_inputs(specs, used, seed, method)
+
+
 def state_positions(run: RunFolder, method: str) -> Dict[str, List[int]]:
     """The inputs and outputs of ``method`` that are state (the family's ``device_state``): an output kept for a
     later call, an input fed from one (the input named as the slot it is kept under)."""

@@ -1,7 +1,8 @@
 """What runs a method of the artifact for a host loop: ``eager`` (the rewritten program), ``artifact`` (each shipped
-``.so`` through torch's AOTI runner) or ``executorch`` (``model.pte`` + ``.ptd`` on ExecuTorch's runtime, the state
-kept on the GPU as ``DeviceValue`` handles). All take and return tensors by name in the method's signature order
-(docs/host-loops.md, "The backends a host loop drives").
+``.so`` through torch's AOTI runner), ``executorch`` (``model.pte`` + ``.ptd`` on ExecuTorch's runtime in a
+process of its own, the state kept on the GPU as ``DeviceValue`` handles) or ``executorch-inprocess`` (the same
+runtime loaded into this process, CUDA tensors in and out). All take and return tensors by name in the method's
+signature order (docs/host-loops.md, "The backends a host loop drives").
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from zoo.contract.artifact import WEIGHTS_SUFFIX, io_memory_planning, read_ptd_e
 from zoo.contract.io_spec import IoSpec, MethodIo
 from zoo.core.errors import RunnerError
 from zoo.runtimes.executorch import DeviceValue, RuntimeSession
+from zoo.runtimes.inprocess import InProcessSession
 from zoo.core.progress import warn
 from zoo.contract.run_folder import RunFolder
 from zoo.contract.releases import requirement_for
 from zoo.runtimes.aoti import AotiRunner, SharedConstants, run_in_delegate_order, shipped_runners
 from zoo.runner.state import SharedBuffers
 
-BACKENDS = ("eager", "artifact", "executorch")
+BACKENDS = ("eager", "artifact", "executorch", "executorch-inprocess")
 # {method: {output name: the name it is kept and fed back under}}
 DeviceState = Dict[str, Dict[str, str]]
 
@@ -202,6 +204,33 @@ def check_state(state: DeviceState, methods: Dict[str, MethodIo]) -> None:
                                   "this is a zoo.runner bug: the family's device_state and io_spec.json disagree")
 
 
+def executorch_sharing_problem(run: RunFolder, build: Dict[str, Any], weight_sharing: bool, methods: Sequence[str],
+                               buffers: Sequence[str]) -> Optional[str]:
+    """Why ExecuTorch's runtime (``build``: what the runner or library says it is) gives ``methods`` more than one
+    copy of ``buffers``, or None. The runtime is opaque from here, so what decides whether its CUDA backend shares a
+    method's constants (docs/runtime.md, "State on the GPU") is checked instead."""
+    # It shares them when the option is on and every constant of the later method is on the GPU already, which the
+    # methods of one constant-plan group guarantee: one constant table, one weights blob (one segment of the .ptd).
+    sharing = build.get("weight_sharing_across_methods")
+    if not weight_sharing or sharing != "on":
+        return (f"this runtime build shares no constants between methods (weight sharing across methods: "
+                f"{sharing if weight_sharing else 'off'})")
+    for method in methods:
+        held = set(run.mutable_buffers(method))
+        missing = [b for b in buffers if b not in held]
+        if missing:
+            return (f"method {method!r}'s compiled code does not write {missing[:3]} in place "
+                    f"({run.io_order_file(method).name} lists {sorted(held)[:4] or 'none'})")
+    if not run.ptd.is_file():
+        return f"{run.ptd} is missing: the methods' constants cannot be shared"
+    segments = {e.key: (e.offset, e.size) for e in read_ptd_entries(run.ptd)}
+    blobs = {segments.get(m + WEIGHTS_SUFFIX) for m in methods}
+    if len(blobs) != 1 or None in blobs:
+        return (f"the weights blobs of {', '.join(methods)} differ, so ExecuTorch's weight sharing, which shares "
+                "a method's constants only when all of them are loaded already, gives each its own copy")
+    return None
+
+
 class ExecuTorchBackend(Backend):
     """``model.pte`` + ``aoti_cuda_blob.ptd`` in ExecuTorch's own C++ runtime (one zoo_runner process, every method
     loaded); the family's state kept there. ``device`` is where the host side computes (noise, schedulers)."""
@@ -221,28 +250,7 @@ class ExecuTorchBackend(Backend):
         self._held: Dict[str, Tuple[torch.Tensor, DeviceValue]] = {}
 
     def sharing_problem(self, methods: Sequence[str], buffers: Sequence[str]) -> Optional[str]:
-        # zoo_runner's process is opaque from here: what decides whether ExecuTorch's CUDA backend shares a
-        # method's constants (docs/runtime.md, "State on the GPU") is checked instead. It shares them when the
-        # option is on and every constant of the later method is on the GPU already, which the methods of one
-        # constant-plan group guarantee: one constant table, one weights blob (one segment of the .ptd).
-        sharing = self.session.build.get("weight_sharing_across_methods")
-        if not self.session.weight_sharing or sharing != "on":
-            return (f"this zoo_runner shares no constants between methods (weight sharing across methods: "
-                    f"{sharing if self.session.weight_sharing else 'off'})")
-        for method in methods:
-            held = set(self.run.mutable_buffers(method))
-            missing = [b for b in buffers if b not in held]
-            if missing:
-                return (f"method {method!r}'s compiled code does not write {missing[:3]} in place "
-                        f"({self.run.io_order_file(method).name} lists {sorted(held)[:4] or 'none'})")
-        if not self.run.ptd.is_file():
-            return f"{self.run.ptd} is missing: the methods' constants cannot be shared"
-        segments = {e.key: (e.offset, e.size) for e in read_ptd_entries(self.run.ptd)}
-        blobs = {segments.get(m + WEIGHTS_SUFFIX) for m in methods}
-        if len(blobs) != 1 or None in blobs:
-            return (f"the weights blobs of {', '.join(methods)} differ, so ExecuTorch's weight sharing, which shares "
-                    "a method's constants only when all of them are loaded already, gives each its own copy")
-        return None
+        return executorch_sharing_problem(self.run, self.session.build, self.session.weight_sharing, methods, buffers)
 
     def keep_state(self, state: DeviceState) -> None:
         super().keep_state(state)
@@ -289,6 +297,41 @@ class ExecuTorchBackend(Backend):
         self.close()
 
 
+class InProcessBackend(Backend):
+    """``model.pte`` + ``aoti_cuda_blob.ptd`` in ExecuTorch's runtime loaded into this process
+    (zoo.runtimes.inprocess): CUDA tensors in, each output copied into a CUDA tensor, state kept as torch tensors.
+    Not for a process that also runs torch's AOTI runner (zoo.runtimes.shims refuses it)."""
+
+    name = "executorch-inprocess"
+
+    def __init__(self, run: RunFolder, device: str, methods: Sequence[str], library: Optional[str] = None):
+        self.session: Optional[InProcessSession] = None
+        if not str(device).startswith("cuda"):
+            raise RunnerError(f"backend {self.name!r} runs the compiled CUDA kernels; device {device!r} cannot",
+                              "pass device='cuda' (on a machine with a GPU), or use backend='eager'")
+        super().__init__(run, device)
+        if not run.pte.is_file():
+            raise RunnerError(f"{run.pte} is missing: the run was not lowered",
+                              "lower it on a GPU machine (`python -m zoo lower RUN_DIR`), or use backend='eager'")
+        self.session = InProcessSession(run.pte, run.ptd if run.ptd.is_file() else None, library=library,
+                                        methods=methods, device=device)
+
+    def sharing_problem(self, methods: Sequence[str], buffers: Sequence[str]) -> Optional[str]:
+        return executorch_sharing_problem(self.run, self.session.build, self.session.weight_sharing, methods, buffers)
+
+    @property
+    def last_call(self) -> Any:
+        return self.session.last_call if self.session is not None else None
+
+    def _run(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
+        return self.session.call(method, args)
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+
+
 def make_backend(name: str, run: RunFolder, device: str, et_runner: Optional[str] = None) -> Backend:
     if name == "eager":
         return EagerBackend(run, device)
@@ -296,4 +339,6 @@ def make_backend(name: str, run: RunFolder, device: str, et_runner: Optional[str
         return ArtifactBackend(run, device, list(run.read_io_spec().methods))
     if name == "executorch":
         return ExecuTorchBackend(run, device, list(run.read_io_spec().methods), executable=et_runner)
+    if name == "executorch-inprocess":
+        return InProcessBackend(run, device, list(run.read_io_spec().methods))
     raise RunnerError(f"unknown runner backend {name!r}", f"use one of: {', '.join(BACKENDS)}")

@@ -24,6 +24,7 @@ import torch
 from zoo.contract.artifact import extract_method_files, reusable_method_files
 from zoo.contract.gpu_targets import Device, require_runs_on
 from zoo.core.errors import NoGpuError, VerificationFailed, ZooError, first_line
+from zoo.runtimes import shims
 
 _PROMOTED = False
 
@@ -33,6 +34,7 @@ def promote_libtorch_global() -> None:
     global _PROMOTED
     if _PROMOTED:
         return
+    shims.claim(shims.LIBTORCH)
     lib_dir = Path(torch.__file__).resolve().parent / "lib"
     for name in ("libtorch_cpu.so", "libtorch_cuda.so"):
         path = lib_dir / name
