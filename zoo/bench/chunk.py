@@ -218,7 +218,7 @@ def compile_blocks(policy: Any, family: str) -> int:
 def refuse_unverified(run: RunFolder, backend: str, checked: bool = False) -> None:
     """Raise unless the artifact a runner would time passed verification, or (``checked``) zoo's policy check in
     the same output folder on one of its runtimes: the whole policy through the artifact against LeRobot."""
-    if backend in ("artifact", "executorch") and run.status() != "verified" and not checked:
+    if backend in ("artifact", "executorch", "executorch-inprocess") and run.status() != "verified" and not checked:
         # A latency is worth quoting only for an artifact that computes what the policy does.
         raise RuntimeError(f"the artifact in {run.path} has not passed verification (report status "
                            f"{run.status()!r}) nor zoo's policy check in this output folder: nothing is timed on "
@@ -232,7 +232,7 @@ def checked_here(out: Path, family: str) -> bool:
     if not path.is_file():
         return False
     results = json.loads(path.read_text())
-    return results.get("settings", {}).get("backend") in ("artifact", "executorch") and any(
+    return results.get("settings", {}).get("backend") in ("artifact", "executorch", "executorch-inprocess") and any(
         r.get("policy") == family and (r.get("policy_check") or {}).get("status") == "passed"
         for r in results.get("policies", []))
 
