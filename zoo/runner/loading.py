@@ -60,7 +60,9 @@ def load(source: Union[str, Path, RunFolder], backend: str = "eager", device: Op
     runs ``model.pte`` + ``aoti_cuda_blob.ptd`` in ExecuTorch's own C++ runtime (``et_runner``, else
     ``$ZOO_ET_RUNNER``: a zoo_runner of the release the artifact needs), the state the host loop hands from call
     to call held there on the GPU; ``device`` is then where the host loop's own arithmetic runs (``cuda`` where
-    torch has it, else the CPU).
+    torch has it, else the CPU); ``"executorch-inprocess"`` runs the same runtime loaded into this process
+    (``libzoo_session.so``: ``$ZOO_ET_SESSION``, else beside ``$ZOO_ET_RUNNER``), on ``cuda``, in a process that
+    never runs torch's AOTI runner (docs/runtime.md, "In this process").
     ``processors=False`` leaves the run's normalisation processors to the caller (``runner.preprocessor``,
     ``runner.postprocessor``), as LeRobot's own loop applies them around a policy.
     ``embedder``: what embeds a task that has no prompt file yet (``embedder(task) -> PromptEmbedding``, with the
@@ -79,7 +81,8 @@ def load(source: Union[str, Path, RunFolder], backend: str = "eager", device: Op
         raise RunnerError(f"zoo.runner has no host loop for the policy in {run.path} (family {settings.family!r}, "
                           f"policy_type {kind!r})", f"the runner drives these policy types: {known}")
     if device is None:
-        device = {"artifact": "cuda", "executorch": "cuda" if torch.cuda.is_available() else "cpu"}.get(backend, "cpu")
+        device = {"artifact": "cuda", "executorch-inprocess": "cuda",
+                  "executorch": "cuda" if torch.cuda.is_available() else "cpu"}.get(backend, "cpu")
     if cuda_graphs:
         if backend != "artifact":
             raise RunnerError(f"cuda_graphs=True replays the artifact's .so files; backend {backend!r} cannot",
