@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from lerobot_policy_zoo.configuration_zoo import BACKENDS
 from zoo.core.report import format_table
 
 FLOAT32_RULE = 1e-5  # relative L2 per step: the float32 rule of the policy check (ChunkTolerance.float32)
@@ -210,7 +211,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--episodes", type=int, default=2)
     p.add_argument("--steps", type=int, default=200, help="environment steps per episode (env episode_length)")
     p.add_argument("--seed", type=int, default=1000, help="first episode's seed (lerobot-eval's default)")
-    p.add_argument("--backend", default="eager", choices=("eager", "artifact", "executorch"))
+    p.add_argument("--backend", default="eager", choices=BACKENDS)
     p.add_argument("--device", default="cpu")
     p.add_argument("--rename_map", default="{}", help="JSON, as lerobot-eval's --rename_map")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
