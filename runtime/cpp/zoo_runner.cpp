@@ -57,13 +57,6 @@
 
 namespace {
 
-using executorch::aten::ScalarType;
-using executorch::aten::Tensor;
-using executorch::extension::Module;
-using executorch::runtime::Error;
-using executorch::runtime::EValue;
-using executorch::runtime::MethodMeta;
-using executorch::runtime::Tag;
 using zoo::CallResult;
 using zoo::JsonObject;
 using zoo::emit;

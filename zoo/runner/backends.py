@@ -32,6 +32,18 @@ BACKENDS = ("eager", "artifact", "executorch", "executorch-inprocess")
 DeviceState = Dict[str, Dict[str, str]]
 
 
+def refuse_cpu_device(backend: str, device: str) -> None:
+    if not str(device).startswith("cuda"):
+        raise RunnerError(f"backend {backend!r} runs the compiled CUDA kernels; device {device!r} cannot",
+                          "pass device='cuda' (on a machine with a GPU), or use backend='eager'")
+
+
+def refuse_unlowered(run: RunFolder) -> None:
+    if not run.pte.is_file():
+        raise RunnerError(f"{run.pte} is missing: the run was not lowered",
+                          "lower it on a GPU machine (`python -m zoo lower RUN_DIR`), or use backend='eager'")
+
+
 class Backend:
     """Runs methods by name: ``call(method, **inputs) -> {output name: tensor}``."""
 
@@ -144,13 +156,9 @@ class ArtifactBackend(Backend):
         self._stack = contextlib.ExitStack()
         self._runners: Dict[str, AotiRunner] = {}
         self.shared = SharedConstants()  # one tensor per constant name across the methods' containers
-        if not str(device).startswith("cuda"):
-            raise RunnerError(f"backend 'artifact' runs the compiled CUDA kernels; device {device!r} cannot",
-                              "pass device='cuda' (on a machine with a GPU), or use backend='eager'")
+        refuse_cpu_device(self.name, device)
         super().__init__(run, device)
-        if not run.pte.is_file():
-            raise RunnerError(f"{run.pte} is missing: the run was not lowered",
-                              "lower it on a GPU machine (`python -m zoo lower RUN_DIR`), or use backend='eager'")
+        refuse_unlowered(run)
         missing = [str(run.io_order_file(m)) for m in methods if not run.io_order_file(m).is_file()]
         if missing:
             raise RunnerError(f"{', '.join(missing)} missing: the compiled .so's input order is unknown",
@@ -241,9 +249,7 @@ class ExecuTorchBackend(Backend):
                  require_cuda: bool = True):
         self.session: Optional[RuntimeSession] = None
         super().__init__(run, device)
-        if not run.pte.is_file():
-            raise RunnerError(f"{run.pte} is missing: the run was not lowered",
-                              "lower it on a GPU machine (`python -m zoo lower RUN_DIR`), or use backend='eager'")
+        refuse_unlowered(run)
         self.requirement = requirement_for(run, io_memory_planning)
         self.session = RuntimeSession(run.pte, run.ptd if run.ptd.is_file() else None, executable=executable,
                                       methods=methods, require_cuda=require_cuda, requirement=self.requirement)
@@ -306,13 +312,9 @@ class InProcessBackend(Backend):
 
     def __init__(self, run: RunFolder, device: str, methods: Sequence[str], library: Optional[str] = None):
         self.session: Optional[InProcessSession] = None
-        if not str(device).startswith("cuda"):
-            raise RunnerError(f"backend {self.name!r} runs the compiled CUDA kernels; device {device!r} cannot",
-                              "pass device='cuda' (on a machine with a GPU), or use backend='eager'")
+        refuse_cpu_device(self.name, device)
         super().__init__(run, device)
-        if not run.pte.is_file():
-            raise RunnerError(f"{run.pte} is missing: the run was not lowered",
-                              "lower it on a GPU machine (`python -m zoo lower RUN_DIR`), or use backend='eager'")
+        refuse_unlowered(run)
         self.session = InProcessSession(run.pte, run.ptd if run.ptd.is_file() else None, library=library,
                                         methods=methods, device=device)
 
