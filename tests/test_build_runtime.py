@@ -27,7 +27,7 @@ case "$1" in
   --build)
     printf '#!/bin/sh\necho "{\\"ok\\": true, \\"executorch_version\\": \\"%s\\", \\"backends\\": []}"\n' \
       "$(cat "$FAKE_ET_VERSION_FILE")" > "$2/zoo_runner"
-    chmod +x "$2/zoo_runner"; echo "[1/1] Linking CXX executable zoo_runner" ;;
+    chmod +x "$2/zoo_runner"; : > "$2/libzoo_session.so"; echo "[1/1] Linking CXX executable zoo_runner" ;;
 esac
 """
 
