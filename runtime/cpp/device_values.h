@@ -1,5 +1,6 @@
-// Tensors zoo_runner holds between calls: in host memory, or on the GPU, where state one call hands to the next
-// (LingBot-VA's KV pool, the VAE's causal caches, Fast-WAM's video K/V) stays without crossing to the host.
+// Tensors the runner (zoo_runner, zoo_session) holds between calls: in host memory, or on the GPU, where state one
+// call hands to the next (LingBot-VA's KV pool, the VAE's causal caches, Fast-WAM's video K/V) stays without crossing
+// to the host.
 //
 // Who owns device memory (ExecuTorch 1.2, backends/cuda/runtime/cuda_backend.cpp):
 // - an input whose data is already a device pointer is used as it is (execute(), cudaPointerGetAttributes);
@@ -8,7 +9,7 @@
 //   the next call's cleanup (cached_outputs_, cudaFreeAsync on the method's stream, after the kernels that read
 //   them). So an output of call N of method M lives until call N+1 of M: a value still needed after that must
 //   be copied first (NamedValues::rescue);
-// - memory zoo_runner allocates itself (uploads, zeros, rescued copies) is freed when no value refers to it.
+// - memory the runner allocates itself (uploads, zeros, rescued copies) is freed when no value refers to it.
 #pragma once
 
 #include <cstdint>
@@ -37,7 +38,7 @@ std::string keep_freed_memory_in_pool();
 struct DeviceBuffer {
   void* ptr = nullptr;
   size_t nbytes = 0;
-  bool owned = false;    // zoo_runner allocated it: freed with the last value that refers to it
+  bool owned = false;    // the runner allocated it: freed with the last value that refers to it
   std::string method;    // else the output of this method's call number `call`, which the backend frees when
   uint64_t call = 0;     //   the method runs again
   ~DeviceBuffer();
@@ -62,9 +63,9 @@ std::string gather_contiguous(const uint8_t* storage, uint32_t dtype, const std:
                               const std::vector<int64_t>& strides, HostTensor* out);
 // Device data back to the host (contiguous, logical order); a host value is copied as it is.
 std::string to_host(const Value& value, HostTensor* out);
-// A copy in memory zoo_runner owns: on the GPU when one is present (an upload for a host value), else on the host.
+// A copy in memory the runner owns: on the GPU when one is present (an upload for a host value), else on the host.
 std::string owned_copy(const Value& value, Value* out);
-// A zero-filled tensor zoo_runner owns, on the GPU when one is present.
+// A zero-filled tensor the runner owns, on the GPU when one is present.
 std::string zeros(uint32_t dtype, const std::vector<int64_t>& sizes, Value* out);
 // Fills a device value's memory with zeros in place.
 std::string zero_fill(const Value& value);
@@ -78,7 +79,7 @@ class NamedValues {
   bool drop(const std::string& name);
   std::vector<std::string> names() const;
   // Before call number `next_call` of `method`: a named value that this call's cleanup frees (an output of the
-  // method's previous call) and that the call does not replace (`rebound`) is copied into memory zoo_runner owns.
+  // method's previous call) and that the call does not replace (`rebound`) is copied into memory the runner owns.
   // Returns "" or an error; `rescued` gets the names copied.
   std::string rescue(const std::string& method, uint64_t next_call, const std::set<std::string>& rebound,
                      std::vector<std::string>* rescued);

@@ -169,7 +169,8 @@ size_t MethodRunner::num_outputs(const std::string& method, std::string* error) 
   return meta->num_outputs();
 }
 
-CallResult MethodRunner::call(const std::string& method, const std::vector<Value>& inputs, const std::vector<OutSpec>& specs) {
+CallResult MethodRunner::call(const std::string& method, const std::vector<Value>& inputs,
+                              const std::vector<OutSpec>& specs) {
   CallResult r;
   const size_t n_out = num_outputs(method, &r.error);
   if (!r.error.empty()) return r;
@@ -223,7 +224,7 @@ std::vector<std::string> MethodRunner::loaded_names() const {
 }
 
 
-// Before any method loads: outputs of every method stay on the GPU (zoo_runner copies back what is read), all
+// Before any method loads: outputs of every method stay on the GPU (the caller copies back what it reads), all
 // methods share one stream (a value one method leaves on the GPU is read by another), and weights are shared
 // across methods where the backend can (1.3+, or 1.2 with zoo's patch).
 std::string MethodRunner::set_backend_options(const std::vector<std::string>& methods) {
@@ -279,9 +280,10 @@ std::string MethodRunner::read_planned_memory(const std::string& method) {
 // Each input as an EValue over the caller's data: a device pointer as it is (the backend uses it without a copy),
 // host bytes for the backend to copy. An input the method plans memory for is copied into that (host) memory by
 // Method::set_input, so a device value for it is first brought to the host (`staged`).
-std::string MethodRunner::bind_inputs(const std::string& method, const std::vector<Value>& inputs, std::vector<HostTensor>* staged,
-                        std::vector<executorch::extension::TensorPtr>* keep, std::vector<EValue>* values,
-                        int* host_copies) {
+std::string MethodRunner::bind_inputs(const std::string& method, const std::vector<Value>& inputs,
+                                      std::vector<HostTensor>* staged,
+                                      std::vector<executorch::extension::TensorPtr>* keep,
+                                      std::vector<EValue>* values, int* host_copies) {
   const auto& planned = planned_[method].inputs;
   for (size_t i = 0; i < inputs.size(); ++i) {
     const Value& v = inputs[i];
@@ -306,8 +308,8 @@ std::string MethodRunner::bind_inputs(const std::string& method, const std::vect
 }
 
 // One output of a call, as its mode asks: copied to the host, held (on the GPU where it came out), or dropped.
-std::string MethodRunner::take_output(const EValue& ev, OutMode mode, const std::string& method, uint64_t call_number,
-                        CallResult* r) {
+std::string MethodRunner::take_output(const EValue& ev, OutMode mode, const std::string& method,
+                                      uint64_t call_number, CallResult* r) {
   Value v;
   bool device = false;
   if (ev.isNone()) {
