@@ -3,10 +3,16 @@
 #include "method_runner.h"
 
 #include <algorithm>
+#include <set>
 
 #include <executorch/runtime/backend/interface.h>
 #include <executorch/runtime/backend/options.h>
 #include <executorch/runtime/platform/log.h>
+#ifdef ZOO_RUNNER_CUDA
+#include <cuda_runtime.h>
+#endif
+
+#include "gpu_targets.h"
 
 namespace zoo {
 
@@ -103,6 +109,32 @@ std::string check_inputs(const std::string& method, const MethodMeta& meta, cons
     }
   }
   return "";
+}
+
+std::string check_gpu_targets(const std::string& model, std::string* kernels) {
+#ifdef ZOO_RUNNER_CUDA
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
+    return "";
+  }
+  std::string read_error;
+  const BinaryTargets targets = scan_file(model, &read_error);
+  if (!read_error.empty()) {
+    return "";  // the load names an unreadable file itself
+  }
+  std::set<std::string> names;
+  for (const auto& fatbin : targets.fatbins) {
+    for (const auto& image : fatbin) names.insert(image.name());
+  }
+  for (const auto& n : names) {
+    *kernels += (kernels->empty() ? "" : "/") + n;
+  }
+  return check_targets(targets, prop.major * 10 + prop.minor, prop.name, this_machine());
+#else
+  (void)model;
+  (void)kernels;
+  return "";
+#endif
 }
 
 executorch::runtime::Result<MethodMeta> MethodRunner::meta(const std::string& method) const {

@@ -33,6 +33,11 @@ std::string shape_text(const std::vector<int64_t>& sizes);
 std::string check_inputs(const std::string& method, const executorch::runtime::MethodMeta& meta,
                          const std::vector<Value>& inputs);
 
+// Whether this GPU and host can run the artifact's kernels and host code, read from model.pte's bytes before
+// ExecuTorch loads it (gpu_targets.h): "" when they can, or when there is no GPU to ask (loading then says so);
+// else why, and what to do. Sets `kernels` to the kernel images found.
+std::string check_gpu_targets(const std::string& model, std::string* kernels);
+
 struct LoadOptions {
   std::string model;
   std::vector<std::string> data;  // .ptd files

@@ -256,36 +256,6 @@ std::string gpu_name() {
   return "";
 }
 
-// Whether this GPU and host can run the artifact's kernels and host code, read from model.pte's bytes before
-// ExecuTorch loads it (gpu_targets.h): "" when they can, or when there is no GPU to ask (loading then says so);
-// else why, and what to do. Sets `kernels` to the kernel images found.
-std::string check_gpu_targets(const std::string& model, std::string* kernels) {
-#ifdef ZOO_RUNNER_CUDA
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
-    return "";
-  }
-  std::string read_error;
-  const zoo::BinaryTargets targets = zoo::scan_file(model, &read_error);
-  if (!read_error.empty()) {
-    return "";  // the load names an unreadable file itself
-  }
-  std::set<std::string> names;
-  for (const auto& fatbin : targets.fatbins) {
-    for (const auto& image : fatbin) names.insert(image.name());
-  }
-  for (const auto& n : names) {
-    *kernels += (kernels->empty() ? "" : "/") + n;
-  }
-  return zoo::check_targets(targets, prop.major * 10 + prop.minor, prop.name, zoo::this_machine());
-#else
-  (void)model;
-  (void)kernels;
-  return "";
-#endif
-}
-
-
 std::string output_path(const std::string& dir, const std::string& stem, size_t k) {
   return dir + "/" + stem + ".out" + std::to_string(k) + ".zt";
 }
@@ -717,7 +687,7 @@ int main(int argc, char** argv) {
     summary.str("gpu", gpu);
   }
   std::string kernels;
-  const std::string target_error = check_gpu_targets(o.model, &kernels);
+  const std::string target_error = zoo::check_gpu_targets(o.model, &kernels);
   if (!kernels.empty()) {
     summary.str("kernels", kernels);
   }

@@ -114,6 +114,10 @@ int zoo_session_open(const char* model, const char* data, const char* methods_cs
   if (data != nullptr && data[0] != '\0') options.data.push_back(data);
   options.load = split_csv(methods_csv);
   options.weight_sharing = weight_sharing != 0;
+  // An artifact lowered for another GPU or host is refused before ExecuTorch loads it, as zoo_runner refuses it.
+  std::string kernels;
+  const std::string target_error = zoo::check_gpu_targets(model, &kernels);
+  if (!target_error.empty()) return fail(target_error, error, error_size);
   auto session = std::make_unique<zoo_session>();
   session->runner = std::make_unique<zoo::MethodRunner>(options);
   std::vector<std::string> loaded;
