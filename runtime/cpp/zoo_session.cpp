@@ -117,7 +117,7 @@ int zoo_session_open(const char* model, const char* data, const char* methods_cs
   // An artifact lowered for another GPU or host is refused before ExecuTorch loads it, as zoo_runner refuses it.
   std::string kernels;
   const std::string target_error = zoo::check_gpu_targets(model, &kernels);
-  if (!target_error.empty()) return fail(target_error, error, error_size);
+  if (!target_error.empty()) return fail(target_error, error, error_size) + 1;  // 2: not for this GPU
   auto session = std::make_unique<zoo_session>();
   session->runner = std::make_unique<zoo::MethodRunner>(options);
   std::vector<std::string> loaded;

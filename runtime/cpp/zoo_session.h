@@ -39,7 +39,8 @@ ZOO_SESSION_API int zoo_session_abi(void);
 ZOO_SESSION_API const char* zoo_session_build(void);
 
 // Loads `model` (with the weights file `data`, or NULL) and the methods in `methods_csv` (NULL or "": every
-// method). `*out` is the session, or NULL on failure.
+// method). `*out` is the session, or NULL on failure. Returns 2 when the artifact's kernels or host code cannot run
+// on this GPU or host (checked before ExecuTorch loads it, as zoo_runner checks it).
 ZOO_SESSION_API int zoo_session_open(const char* model, const char* data, const char* methods_csv, int weight_sharing,
                                      zoo_session** out, double* load_ms, char* error, size_t error_size);
 ZOO_SESSION_API void zoo_session_close(zoo_session* session);

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from zoo.contract.tensor_file import CODE_DTYPES, DTYPE_CODES
-from zoo.core.errors import RuntimeCallFailed, RuntimeNotBuilt
+from zoo.core.errors import GpuTargetMismatch, RuntimeCallFailed, RuntimeNotBuilt
 from zoo.runtimes import shims
 from zoo.runtimes.executorch import BUILD_HINT, RUNNER_ENV, CallTiming
 
@@ -124,8 +124,11 @@ class InProcessSession:
         error = ctypes.create_string_buffer(_ERROR_SIZE)
         ptd_arg = str(ptd).encode() if ptd is not None else None
         csv = ",".join(methods).encode() if methods else None
-        if self._lib.zoo_session_open(str(pte).encode(), ptd_arg, csv, int(weight_sharing), ctypes.byref(handle),
-                                      ctypes.byref(load_ms), error, _ERROR_SIZE) != 0:
+        status = self._lib.zoo_session_open(str(pte).encode(), ptd_arg, csv, int(weight_sharing), ctypes.byref(handle),
+                                            ctypes.byref(load_ms), error, _ERROR_SIZE)
+        if status == 2:
+            raise GpuTargetMismatch(f"{pte}: {error.value.decode()}")  # the runtime's words say what to do
+        if status != 0:
             raise RuntimeCallFailed(f"ExecuTorch's runtime could not load {pte}: {error.value.decode()}",
                                     "its log on stderr says more; `zoo_runner --model ... --plan -` loads the same "
                                     "program in a process of its own")
