@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from zoo.core.errors import RunnerError, RuntimeConflict, RuntimeNotBuilt
+from zoo.core.errors import RunnerError, RuntimeCallFailed, RuntimeConflict, RuntimeNotBuilt
 from zoo.runner.backends import InProcessBackend
 from zoo.runtimes import inprocess, shims
 
@@ -61,3 +61,11 @@ def test_finding_the_library(monkeypatch, tmp_path):
 def test_the_in_process_backend_needs_a_gpu():
     with pytest.raises(RunnerError, match="runs the compiled CUDA kernels; device 'cpu' cannot"):
         InProcessBackend(None, "cpu", [])
+
+
+def test_the_in_process_runtime_runs_on_device_0(monkeypatch, tmp_path):
+    monkeypatch.setattr(inprocess, "load_library", lambda library=None: None)
+    monkeypatch.setattr(inprocess, "library_build", lambda library=None: {"cuda": True})
+    with pytest.raises(RuntimeCallFailed, match="runs on cuda:0, not cuda:1") as e:
+        inprocess.InProcessSession(tmp_path / "model.pte", device="cuda:1")
+    assert "CUDA_VISIBLE_DEVICES" in e.value.hint

@@ -9,6 +9,7 @@ runner) and why: docs/runtime.md, "In this process".
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -87,7 +88,6 @@ def load_library(path: Optional[PathLike] = None) -> ctypes.CDLL:
 
 def library_build(path: Optional[PathLike] = None) -> Dict[str, Any]:
     """What the library is (ExecuTorch version, CUDA, backends, patches), as ``zoo_runner --info`` says."""
-    import json
     return json.loads(load_library(path).zoo_session_build().decode())
 
 
@@ -118,6 +118,10 @@ class InProcessSession:
         self.device = torch.device(device) if device is not None else \
             torch.device("cuda" if self.build.get("cuda") and torch.cuda.is_available() else "cpu")
         self.weight_sharing = weight_sharing
+        if self.device.type == "cuda" and (self.device.index or 0) != 0:
+            # ExecuTorch 1.2's CUDA backend runs every method on device 0 (DEFAULT_CUDA_DEVICE).
+            raise RuntimeCallFailed(f"the in-process runtime runs on cuda:0, not {self.device}",
+                                    "make the GPU device 0 of this process (CUDA_VISIBLE_DEVICES=N)")
         if self.device.type == "cuda":
             torch.cuda.init()  # one CUDA context for torch and the backend: the device's primary context
         handle, load_ms = ctypes.c_void_p(), ctypes.c_double()
