@@ -69,3 +69,16 @@ def test_the_in_process_runtime_runs_on_device_0(monkeypatch, tmp_path):
     with pytest.raises(RuntimeCallFailed, match="runs on cuda:0, not cuda:1") as e:
         inprocess.InProcessSession(tmp_path / "model.pte", device="cuda:1")
     assert "CUDA_VISIBLE_DEVICES" in e.value.hint
+
+
+def test_an_artifact_of_another_release_is_refused_before_loading(monkeypatch, tmp_path):
+    from zoo.contract.releases import RuntimeRequirement
+    from zoo.core.errors import RuntimeMismatch
+
+    library = tmp_path / inprocess.LIBRARY_NAME
+    library.write_bytes(b"")
+    monkeypatch.setattr(inprocess, "load_library", lambda library=None: None)
+    monkeypatch.setattr(inprocess, "library_build", lambda library=None: {"executorch_version": "1.2.0"})
+    with pytest.raises(RuntimeMismatch, match=r"needs ExecuTorch's runtime 1\.4 .* is ExecuTorch 1\.2\.0"):
+        inprocess.InProcessSession(tmp_path / "model.pte", library=library, device="cpu",
+                                   requirement=RuntimeRequirement(release="1.4", lowered_with="1.4.0"))

@@ -239,6 +239,14 @@ def executorch_sharing_problem(run: RunFolder, build: Dict[str, Any], weight_sha
     return None
 
 
+def warn_planned_state(run: RunFolder, requirement: Any, state: DeviceState) -> None:
+    """ExecuTorch's runtime copies a memory-planned graph input into host memory: say so when state crosses that way."""
+    if state and not requirement.device_io:
+        warn(f"the artifact in {run.path} plans its graph inputs in host memory (lowered before zoo left "
+             "them out): the state it hands from call to call is copied to the host and back in every call; "
+             "lower the run again to keep it on the GPU")
+
+
 class ExecuTorchBackend(Backend):
     """``model.pte`` + ``aoti_cuda_blob.ptd`` in ExecuTorch's own C++ runtime (one zoo_runner process, every method
     loaded); the family's state kept there. ``device`` is where the host side computes (noise, schedulers)."""
@@ -260,10 +268,7 @@ class ExecuTorchBackend(Backend):
 
     def keep_state(self, state: DeviceState) -> None:
         super().keep_state(state)
-        if state and not self.requirement.device_io:
-            warn(f"the artifact in {self.run.path} plans its graph inputs in host memory (lowered before zoo left "
-                 "them out): the state it hands from call to call is copied to the host and back in every call; "
-                 "lower the run again to keep it on the GPU")
+        warn_planned_state(self.run, self.requirement, state)
 
     def zeros(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> DeviceValue:
         return self.session.zeros(name, shape, dtype)
@@ -315,11 +320,16 @@ class InProcessBackend(Backend):
         refuse_cpu_device(self.name, device)
         super().__init__(run, device)
         refuse_unlowered(run)
+        self.requirement = requirement_for(run, io_memory_planning)
         self.session = InProcessSession(run.pte, run.ptd if run.ptd.is_file() else None, library=library,
-                                        methods=methods, device=device)
+                                        methods=methods, device=device, requirement=self.requirement)
 
     def sharing_problem(self, methods: Sequence[str], buffers: Sequence[str]) -> Optional[str]:
         return executorch_sharing_problem(self.run, self.session.build, self.session.weight_sharing, methods, buffers)
+
+    def keep_state(self, state: DeviceState) -> None:
+        super().keep_state(state)
+        warn_planned_state(self.run, self.requirement, state)
 
     @property
     def last_call(self) -> Any:

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from zoo.contract.tensor_file import CODE_DTYPES, DTYPE_CODES
+from zoo.contract.releases import RuntimeRequirement
 from zoo.core.errors import GpuTargetMismatch, RuntimeCallFailed, RuntimeNotBuilt
 from zoo.runtimes import shims
 from zoo.runtimes.executorch import BUILD_HINT, RUNNER_ENV, CallTiming
@@ -112,9 +113,11 @@ class InProcessSession:
 
     def __init__(self, pte: PathLike, ptd: Optional[PathLike] = None, *, library: Optional[PathLike] = None,
                  methods: Optional[Sequence[str]] = None, device: Union[str, torch.device, None] = None,
-                 weight_sharing: bool = True):
+                 weight_sharing: bool = True, requirement: Optional[RuntimeRequirement] = None):
         self._lib = load_library(library)
         self.build = library_build(library)
+        if requirement is not None:  # an artifact of another runtime release is refused before it is loaded
+            requirement.check(self.build, find_library(library))
         self.device = torch.device(device) if device is not None else \
             torch.device("cuda" if self.build.get("cuda") and torch.cuda.is_available() else "cpu")
         self.weight_sharing = weight_sharing
