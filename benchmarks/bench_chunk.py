@@ -28,6 +28,7 @@ from zoo.bench.chunk import (POLICIES, TARGETS, check_passed, checked_here, poli
 from zoo.bench.chunk_tables import policy_check_section, ratio_lines, table_rows, write
 from zoo.bench.chunk_runners import floor_rows, split_rows
 from zoo.contract import chunk_latency
+from zoo.runner.backends import BACKENDS
 from zoo.contract.recipes import load_recipe
 from zoo.contract.run_folder import RunFolder
 from zoo.core.report import RunReport, format_table
@@ -161,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the policy check of an already-lowered run only")
     p.add_argument("--policy-check", action="store_true",
                    help="after the timing, zoo's policy check of the run (bf16 rule for a bf16 unit)")
-    p.add_argument("--backend", choices=("artifact", "executorch", "executorch-inprocess", "eager"), default="artifact",
+    p.add_argument("--backend", choices=BACKENDS, default="artifact",
                    help="the runner's backend (executorch: ExecuTorch's runtime, $ZOO_ET_RUNNER; executorch-inprocess: "
                         "the same runtime in this process, alone: no other candidate may run torch's AOTI runner; "
                         "eager: the rewritten programs, for a CPU check of this script)")

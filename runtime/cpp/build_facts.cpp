@@ -2,8 +2,6 @@
 
 #include "build_facts.h"
 
-#include <sstream>
-
 #include <executorch/runtime/backend/interface.h>
 #if __has_include(<executorch/runtime/core/version.h>)
 #include <executorch/runtime/core/version.h>
@@ -15,18 +13,10 @@
 #define ZOO_RUNTIME_PATCHES ""
 #endif
 
+#include "method_runner.h"
+
 namespace zoo {
 namespace {
-
-std::vector<std::string> patch_names() {
-  std::vector<std::string> out;
-  std::string item;
-  std::istringstream in(ZOO_RUNTIME_PATCHES);
-  while (std::getline(in, item, ',')) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
-}
 
 std::string weight_sharing_state(bool weight_sharing) {
 #if defined(ZOO_RUNNER_CUDA) && defined(ZOO_HAVE_WEIGHT_SHARING)
@@ -69,9 +59,8 @@ void add_build_facts(JsonObject& obj, bool weight_sharing) {
   obj.boolean("cuda", false);
 #endif
   obj.str("weight_sharing_across_methods", weight_sharing_state(weight_sharing));
-  obj.raw("patches", json_strings(patch_names()));
+  obj.raw("patches", json_strings(split(ZOO_RUNTIME_PATCHES, ',')));
   obj.raw("backends", json_strings(registered_backends()));
 }
-
 
 }  // namespace zoo

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <set>
+#include <sstream>
 
 #include <executorch/runtime/backend/interface.h>
 #include <executorch/runtime/backend/options.h>
@@ -69,6 +70,18 @@ std::string scalar_to_value(const EValue& v, Value* out) {
 
 double ms_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+std::vector<std::string> split(const std::string& s, char sep) {
+  std::vector<std::string> out;
+  std::string item;
+  std::istringstream in(s);
+  while (std::getline(in, item, sep)) {
+    if (!item.empty()) {
+      out.push_back(item);
+    }
+  }
+  return out;
 }
 
 std::string shape_text(const std::vector<int64_t>& sizes) {

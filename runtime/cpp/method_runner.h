@@ -25,6 +25,10 @@ namespace zoo {
 
 double ms_since(std::chrono::steady_clock::time_point start);
 
+// The non-empty items of a `sep`-separated list ("a,b,,c" -> a, b, c): the command line's lists, the build's
+// patch names, the methods to load.
+std::vector<std::string> split(const std::string& s, char sep);
+
 // "[2, 3]": a shape in messages and JSON.
 std::string shape_text(const std::vector<int64_t>& sizes);
 

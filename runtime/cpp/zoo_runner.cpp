@@ -68,6 +68,7 @@ using zoo::json_strings;
 using zoo::HostTensor;
 using zoo::MethodRunner;
 using zoo::ms_since;
+using zoo::split;
 using zoo::OutMode;
 using zoo::OutSpec;
 using zoo::PlannedMemory;
@@ -109,18 +110,6 @@ struct Options {
   int warmup = 3, iters = 10;
   bool info = false, weight_sharing = true;
 };
-
-std::vector<std::string> split(const std::string& s, char sep) {
-  std::vector<std::string> out;
-  std::string item;
-  std::istringstream in(s);
-  while (std::getline(in, item, sep)) {
-    if (!item.empty()) {
-      out.push_back(item);
-    }
-  }
-  return out;
-}
 
 bool parse_int(const std::string& s, int* out) {
   char* end = nullptr;

@@ -5,7 +5,6 @@
 
 #include <cstring>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -31,17 +30,6 @@ int fail(const std::string& why, char* error, size_t error_size) {
     error[n] = '\0';
   }
   return 1;
-}
-
-std::vector<std::string> split_csv(const char* csv) {
-  std::vector<std::string> out;
-  if (csv == nullptr) return out;
-  std::string item;
-  std::istringstream in(csv);
-  while (std::getline(in, item, ',')) {
-    if (!item.empty()) out.push_back(item);
-  }
-  return out;
 }
 
 std::vector<int64_t> sizes_of(const zoo_tensor& t) { return std::vector<int64_t>(t.sizes, t.sizes + t.ndim); }
@@ -112,7 +100,7 @@ int zoo_session_open(const char* model, const char* data, const char* methods_cs
   zoo::LoadOptions options;
   options.model = model;
   if (data != nullptr && data[0] != '\0') options.data.push_back(data);
-  options.load = split_csv(methods_csv);
+  if (methods_csv != nullptr) options.load = zoo::split(methods_csv, ',');
   options.weight_sharing = weight_sharing != 0;
   // An artifact lowered for another GPU or host is refused before ExecuTorch loads it, as zoo_runner refuses it.
   std::string kernels;

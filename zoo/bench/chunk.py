@@ -31,6 +31,7 @@ from zoo.export.hub_cache import hub_environment, put_in_cache
 from zoo.export.policy_check import check_run, checkpoint_in_reach
 from zoo.policies import fast_init
 from zoo.policies.tiny_wan import real_size_wan22_vae
+from zoo.runner.backends import ARTIFACT_BACKENDS
 from zoo.runner.check import ProcessedPolicy
 from zoo.runner.loading import RUNNERS
 from zoo.runner.observations import synthetic_observations
@@ -218,7 +219,7 @@ def compile_blocks(policy: Any, family: str) -> int:
 def refuse_unverified(run: RunFolder, backend: str, checked: bool = False) -> None:
     """Raise unless the artifact a runner would time passed verification, or (``checked``) zoo's policy check in
     the same output folder on one of its runtimes: the whole policy through the artifact against LeRobot."""
-    if backend in ("artifact", "executorch", "executorch-inprocess") and run.status() != "verified" and not checked:
+    if backend in ARTIFACT_BACKENDS and run.status() != "verified" and not checked:
         # A latency is worth quoting only for an artifact that computes what the policy does.
         raise RuntimeError(f"the artifact in {run.path} has not passed verification (report status "
                            f"{run.status()!r}) nor zoo's policy check in this output folder: nothing is timed on "
@@ -232,7 +233,7 @@ def checked_here(out: Path, family: str) -> bool:
     if not path.is_file():
         return False
     results = json.loads(path.read_text())
-    return results.get("settings", {}).get("backend") in ("artifact", "executorch", "executorch-inprocess") and any(
+    return results.get("settings", {}).get("backend") in ARTIFACT_BACKENDS and any(
         r.get("policy") == family and (r.get("policy_check") or {}).get("status") == "passed"
         for r in results.get("policies", []))
 

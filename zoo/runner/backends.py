@@ -27,7 +27,9 @@ from zoo.contract.releases import requirement_for
 from zoo.runtimes.aoti import AotiRunner, SharedConstants, run_in_delegate_order, shipped_runners
 from zoo.runner.state import SharedBuffers
 
-BACKENDS = ("eager", "artifact", "executorch", "executorch-inprocess")
+# The backends that run the lowered artifact (the others run the rewritten programs).
+ARTIFACT_BACKENDS = ("artifact", "executorch", "executorch-inprocess")
+BACKENDS = ("eager",) + ARTIFACT_BACKENDS
 # {method: {output name: the name it is kept and fed back under}}
 DeviceState = Dict[str, Dict[str, str]]
 
@@ -212,42 +214,59 @@ def check_state(state: DeviceState, methods: Dict[str, MethodIo]) -> None:
                                   "this is a zoo.runner bug: the family's device_state and io_spec.json disagree")
 
 
-def executorch_sharing_problem(run: RunFolder, build: Dict[str, Any], weight_sharing: bool, methods: Sequence[str],
-                               buffers: Sequence[str]) -> Optional[str]:
-    """Why ExecuTorch's runtime (``build``: what the runner or library says it is) gives ``methods`` more than one
-    copy of ``buffers``, or None. The runtime is opaque from here, so what decides whether its CUDA backend shares a
-    method's constants (docs/runtime.md, "State on the GPU") is checked instead."""
-    # It shares them when the option is on and every constant of the later method is on the GPU already, which the
-    # methods of one constant-plan group guarantee: one constant table, one weights blob (one segment of the .ptd).
-    sharing = build.get("weight_sharing_across_methods")
-    if not weight_sharing or sharing != "on":
-        return (f"this runtime build shares no constants between methods (weight sharing across methods: "
-                f"{sharing if weight_sharing else 'off'})")
-    for method in methods:
-        held = set(run.mutable_buffers(method))
-        missing = [b for b in buffers if b not in held]
-        if missing:
-            return (f"method {method!r}'s compiled code does not write {missing[:3]} in place "
-                    f"({run.io_order_file(method).name} lists {sorted(held)[:4] or 'none'})")
-    if not run.ptd.is_file():
-        return f"{run.ptd} is missing: the methods' constants cannot be shared"
-    segments = {e.key: (e.offset, e.size) for e in read_ptd_entries(run.ptd)}
-    blobs = {segments.get(m + WEIGHTS_SUFFIX) for m in methods}
-    if len(blobs) != 1 or None in blobs:
-        return (f"the weights blobs of {', '.join(methods)} differ, so ExecuTorch's weight sharing, which shares "
-                "a method's constants only when all of them are loaded already, gives each its own copy")
-    return None
+class ExecuTorchRuntimeBackend(Backend):
+    """What the two backends on ExecuTorch's runtime share (``self.session``: a RuntimeSession or an
+    InProcessSession over the run's ``model.pte`` + ``.ptd``): the release check's requirement, constant sharing,
+    the warning about state an old artifact plans in host memory, the last call's timing, closing."""
+
+    def __init__(self, run: RunFolder, device: str):
+        self.session: Any = None
+        super().__init__(run, device)
+        refuse_unlowered(run)
+        self.requirement = requirement_for(run, io_memory_planning)
+
+    def sharing_problem(self, methods: Sequence[str], buffers: Sequence[str]) -> Optional[str]:
+        # The runtime is opaque from here, so what decides whether its CUDA backend shares a method's constants
+        # (docs/runtime.md, "State on the GPU") is checked instead. It shares them when the option is on and every
+        # constant of the later method is on the GPU already, which the methods of one constant-plan group
+        # guarantee: one constant table, one weights blob (one segment of the .ptd).
+        sharing = self.session.build.get("weight_sharing_across_methods")
+        if not self.session.weight_sharing or sharing != "on":
+            return (f"this runtime build shares no constants between methods (weight sharing across methods: "
+                    f"{sharing if self.session.weight_sharing else 'off'})")
+        for method in methods:
+            held = set(self.run.mutable_buffers(method))
+            missing = [b for b in buffers if b not in held]
+            if missing:
+                return (f"method {method!r}'s compiled code does not write {missing[:3]} in place "
+                        f"({self.run.io_order_file(method).name} lists {sorted(held)[:4] or 'none'})")
+        if not self.run.ptd.is_file():
+            return f"{self.run.ptd} is missing: the methods' constants cannot be shared"
+        segments = {e.key: (e.offset, e.size) for e in read_ptd_entries(self.run.ptd)}
+        blobs = {segments.get(m + WEIGHTS_SUFFIX) for m in methods}
+        if len(blobs) != 1 or None in blobs:
+            return (f"the weights blobs of {', '.join(methods)} differ, so ExecuTorch's weight sharing, which shares "
+                    "a method's constants only when all of them are loaded already, gives each its own copy")
+        return None
+
+    def keep_state(self, state: DeviceState) -> None:
+        super().keep_state(state)
+        if state and not self.requirement.device_io:
+            warn(f"the artifact in {self.run.path} plans its graph inputs in host memory (lowered before zoo left "
+                 "them out): the state it hands from call to call is copied to the host and back in every call; "
+                 "lower the run again to keep it on the GPU")
+
+    @property
+    def last_call(self) -> Any:
+        return self.session.last_call if self.session is not None else None
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+            self.session = None
 
 
-def warn_planned_state(run: RunFolder, requirement: Any, state: DeviceState) -> None:
-    """ExecuTorch's runtime copies a memory-planned graph input into host memory: say so when state crosses that way."""
-    if state and not requirement.device_io:
-        warn(f"the artifact in {run.path} plans its graph inputs in host memory (lowered before zoo left "
-             "them out): the state it hands from call to call is copied to the host and back in every call; "
-             "lower the run again to keep it on the GPU")
-
-
-class ExecuTorchBackend(Backend):
+class ExecuTorchBackend(ExecuTorchRuntimeBackend):
     """``model.pte`` + ``aoti_cuda_blob.ptd`` in ExecuTorch's own C++ runtime (one zoo_runner process, every method
     loaded); the family's state kept there. ``device`` is where the host side computes (noise, schedulers)."""
 
@@ -255,27 +274,13 @@ class ExecuTorchBackend(Backend):
 
     def __init__(self, run: RunFolder, device: str, methods: Sequence[str], executable: Optional[str] = None,
                  require_cuda: bool = True):
-        self.session: Optional[RuntimeSession] = None
         super().__init__(run, device)
-        refuse_unlowered(run)
-        self.requirement = requirement_for(run, io_memory_planning)
         self.session = RuntimeSession(run.pte, run.ptd if run.ptd.is_file() else None, executable=executable,
                                       methods=methods, require_cuda=require_cuda, requirement=self.requirement)
         self._held: Dict[str, Tuple[torch.Tensor, DeviceValue]] = {}
 
-    def sharing_problem(self, methods: Sequence[str], buffers: Sequence[str]) -> Optional[str]:
-        return executorch_sharing_problem(self.run, self.session.build, self.session.weight_sharing, methods, buffers)
-
-    def keep_state(self, state: DeviceState) -> None:
-        super().keep_state(state)
-        warn_planned_state(self.run, self.requirement, state)
-
     def zeros(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> DeviceValue:
         return self.session.zeros(name, shape, dtype)
-
-    @property
-    def last_call(self) -> Any:
-        return self.session.last_call if self.session is not None else None
 
     def hold(self, name: str, tensor: torch.Tensor) -> DeviceValue:
         # Uploaded once and passed by name while equal: a host input otherwise goes through a tensor file and a
@@ -299,16 +304,11 @@ class ExecuTorchBackend(Backend):
                               "export and lower the run again")
         return {name: out if isinstance(out, DeviceValue) else out.to(self.device) for name, out in zip(outputs, outs)}
 
-    def close(self) -> None:
-        if self.session is not None:
-            self.session.close()
-            self.session = None
-
     def __del__(self):  # the runner process and its temporary folder
         self.close()
 
 
-class InProcessBackend(Backend):
+class InProcessBackend(ExecuTorchRuntimeBackend):
     """``model.pte`` + ``aoti_cuda_blob.ptd`` in ExecuTorch's runtime loaded into this process
     (zoo.runtimes.inprocess): CUDA tensors in, each output copied into a CUDA tensor, state kept as torch tensors.
     Not for a process that also runs torch's AOTI runner (zoo.runtimes.shims refuses it)."""
@@ -316,32 +316,13 @@ class InProcessBackend(Backend):
     name = "executorch-inprocess"
 
     def __init__(self, run: RunFolder, device: str, methods: Sequence[str], library: Optional[str] = None):
-        self.session: Optional[InProcessSession] = None
         refuse_cpu_device(self.name, device)
         super().__init__(run, device)
-        refuse_unlowered(run)
-        self.requirement = requirement_for(run, io_memory_planning)
         self.session = InProcessSession(run.pte, run.ptd if run.ptd.is_file() else None, library=library,
                                         methods=methods, device=device, requirement=self.requirement)
 
-    def sharing_problem(self, methods: Sequence[str], buffers: Sequence[str]) -> Optional[str]:
-        return executorch_sharing_problem(self.run, self.session.build, self.session.weight_sharing, methods, buffers)
-
-    def keep_state(self, state: DeviceState) -> None:
-        super().keep_state(state)
-        warn_planned_state(self.run, self.requirement, state)
-
-    @property
-    def last_call(self) -> Any:
-        return self.session.last_call if self.session is not None else None
-
     def _run(self, method: str, args: List[torch.Tensor]) -> List[torch.Tensor]:
         return self.session.call(method, args)
-
-    def close(self) -> None:
-        if self.session is not None:
-            self.session.close()
-            self.session = None
 
 
 def make_backend(name: str, run: RunFolder, device: str, et_runner: Optional[str] = None) -> Backend:
