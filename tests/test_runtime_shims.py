@@ -46,6 +46,18 @@ def test_a_library_that_fails_to_load_leaves_the_names_unclaimed(fresh, tmp_path
     assert shims.owner() is None
 
 
+def test_a_second_library_in_one_process_is_refused(monkeypatch, tmp_path):
+    loaded, other = tmp_path / "a" / inprocess.LIBRARY_NAME, tmp_path / "b" / inprocess.LIBRARY_NAME
+    held = object()  # stands for the CDLL: the refusal comes before anything is loaded
+    monkeypatch.setattr(inprocess, "_lib", held)
+    monkeypatch.setattr(inprocess, "_lib_path", loaded.resolve())
+    with pytest.raises(RuntimeConflict) as e:
+        inprocess.load_library(other)
+    assert f"already loaded {loaded}" in str(e.value) and "another process" in e.value.hint
+    assert inprocess.load_library(loaded) is held
+    assert inprocess.load_library() is held
+
+
 def test_finding_the_library(monkeypatch, tmp_path):
     monkeypatch.delenv(inprocess.LIBRARY_ENV, raising=False)
     monkeypatch.delenv("ZOO_ET_RUNNER", raising=False)

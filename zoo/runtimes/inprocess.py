@@ -18,7 +18,7 @@ import torch
 
 from zoo.contract.tensor_file import CODE_DTYPES, DTYPE_CODES
 from zoo.contract.releases import RuntimeRequirement
-from zoo.core.errors import GpuTargetMismatch, RuntimeCallFailed, RuntimeNotBuilt
+from zoo.core.errors import GpuTargetMismatch, RuntimeCallFailed, RuntimeConflict, RuntimeNotBuilt
 from zoo.runtimes import shims
 from zoo.runtimes.executorch import BUILD_HINT, RUNNER_ENV, CallTiming
 
@@ -36,6 +36,7 @@ class _Tensor(ctypes.Structure):
 
 
 _lib: Optional[ctypes.CDLL] = None
+_lib_path: Optional[Path] = None  # what _lib was loaded from: a process holds one library, so another is refused
 
 
 def find_library(path: Optional[PathLike] = None) -> Path:
@@ -55,8 +56,11 @@ def find_library(path: Optional[PathLike] = None) -> Path:
 def load_library(path: Optional[PathLike] = None) -> ctypes.CDLL:
     """The library, loaded once per process. It is made global (its shims serve the compiled code's
     ``aoti_torch_*`` imports), so it is refused in a process whose libtorch already serves them."""
-    global _lib
+    global _lib, _lib_path
     if _lib is not None:
+        if path is not None and Path(path).resolve() != _lib_path:
+            raise RuntimeConflict(f"this process already loaded {_lib_path}; {path} cannot be loaded beside it (a "
+                                  f"library cannot be unloaded)", "name the same library, or use another process")
         return _lib
     found = find_library(path)
     shims.claim(shims.EXECUTORCH)
@@ -83,7 +87,7 @@ def load_library(path: Optional[PathLike] = None) -> ctypes.CDLL:
     if lib.zoo_session_abi() != ABI:
         raise RuntimeNotBuilt(f"{found} speaks zoo_session ABI {lib.zoo_session_abi()}, this zoo speaks {ABI}",
                               "rebuild it from this checkout: " + BUILD_HINT)
-    _lib = lib
+    _lib, _lib_path = lib, found.resolve()
     return lib
 
 
