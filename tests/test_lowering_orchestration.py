@@ -1,7 +1,8 @@
 """The lowering's orchestration on the CPU, through the same code path as the CUDA lowering
-(``zoo.export.lower.lowering.lower_to_pte``): the shared constant plan, methods lowered side by side in worker processes
-(or one after another in this process), assembled into one model.pte + aoti_cuda_blob.ptd, each method's .so
-and weights extracted to so/, then zoo's own verification of the artifact against eager.
+(``zoo.export.lower.lowering.lower_to_pte``): the shared constant plan, methods lowered one after another in this
+process (and, with -m e2e, side by side in worker processes, compared), assembled into one model.pte +
+aoti_cuda_blob.ptd, each method's .so and weights extracted to so/, then zoo's own verification of the artifact
+against eager.
 
 The per-method lowering injected here is ExecuTorch's AOTI backend compiling for the CPU
 (tests/fixtures/aoti_cpu_probe.py: AotiBackend.preprocess with the device set to the CPU), run by zoo's own
@@ -130,23 +131,25 @@ def lower_toy(root: Path, name: str, workers: int) -> dict:
 
 @pytest.fixture(scope="module")
 def lowered(tmp_path_factory):
-    """The unit lowered with both methods at once, in two worker processes."""
-    return {"parallel": lower_toy(tmp_path_factory.mktemp("orchestration"), "parallel", 2)}
+    """The unit lowered one method after another in this process (``workers=1``): the same plan, backend and
+    assembly as worker processes run (tests/test_lowering_workers.py covers the processes), at half the time."""
+    return lower_toy(tmp_path_factory.mktemp("orchestration"), "sequential", 1)
 
 
 @pytest.fixture(scope="module")
-def sequential(tmp_path_factory):
-    """The same unit lowered one method after another in this process (``workers=1``)."""
-    return lower_toy(tmp_path_factory.mktemp("orchestration-sequential"), "sequential", 1)
+def parallel(tmp_path_factory):
+    """The same unit lowered with two methods at once, in two worker processes."""
+    return lower_toy(tmp_path_factory.mktemp("orchestration-parallel"), "parallel", 2)
 
 
-@pytest.mark.e2e  # a second CPU lowering of the unit (~1 minute on 2 cores)
-def test_parallel_and_sequential_lowerings_verify_alike_against_eager(lowered, sequential):
-    par, seq = lowered["parallel"], sequential
+@pytest.mark.e2e  # a second CPU lowering of the unit, in worker processes (~1 minute on 2 cores)
+def test_parallel_and_sequential_lowerings_verify_alike_against_eager(parallel, lowered):
+    par, seq = parallel, lowered
     lowered = {"parallel": par, "sequential": seq}
     assert par["result"].workers == {"count": 2, "why": "asked for", "in_process": False, "reused": []}
     assert seq["result"].workers["in_process"] is True
     assert any(line.startswith("lowering observe: worker ") for line in par["lines"])  # a worker process each
+    assert "save_programs" in par["result"].summary()["stage_seconds"]  # what the workers read
     got = {k: verified(v["run"], v["recipe"]) for k, v in lowered.items()}
     assert got["parallel"].ok and got["sequential"].ok
     rows = {k: [(r.method, r.seed, r.output, r.max_abs, r.rel_l2, r.cosine) for r in v.rows] for k, v in got.items()}
@@ -170,8 +173,14 @@ def test_parallel_and_sequential_lowerings_verify_alike_against_eager(lowered, s
     assert par["run"].io_order("act")["input_order"] == [1, 0]
 
 
+def test_the_artifact_verifies_against_eager(lowered):
+    got = verified(lowered["run"], lowered["recipe"])
+    assert got.ok
+    assert sorted({(r.method, r.seed) for r in got.rows}) == sorted((m, s) for m in METHODS for s in (0, 1))
+
+
 def test_the_ptd_holds_the_shared_weights_once(lowered):
-    result = lowered["parallel"]["result"]
+    result = lowered["result"]
     weights = result.weights
     assert weights["plan"]["applied"] is True and weights["stored_once"] is True
     # Two groups: the trunk's methods share one table, the encoder keeps its own.
@@ -188,10 +197,10 @@ def test_the_ptd_holds_the_shared_weights_once(lowered):
 
 
 def test_the_shared_blob_is_extracted_once_and_reused_while_unchanged(lowered, tmp_path):
-    run = lowered["parallel"]["run"]
+    run = lowered["run"]
     observe, act = run.weights_file("observe"), run.weights_file("act")
     assert os.stat(observe).st_ino == os.stat(act).st_ino  # one file, two names
-    assert lowered["parallel"]["result"].methods["act"].shares_weights_with == "observe"
+    assert lowered["result"].methods["act"].shares_weights_with == "observe"
     reused = artifact.reusable_method_files(run.pte, run.ptd, run.so_dir, list(METHODS))
     assert reused is not None and reused["act"]["weights"] == act and reused["observe"]["so"] == run.so_file("observe")
     # A copied run folder (other files), a .ptd written over, an edited .so: extracted again, never reused.
@@ -211,7 +220,7 @@ def test_the_shared_blob_is_extracted_once_and_reused_while_unchanged(lowered, t
 
 
 def test_the_lowering_record_has_per_method_times_the_plan_and_the_preflight(lowered):
-    summary = lowered["parallel"]["result"].summary()
+    summary = lowered["result"].summary()
     for method in METHODS:
         record = summary["methods"][method]
         assert record["seconds"] > 0 and {"edge", "preflight", "backend", "to_executorch"} <= set(record["stage_seconds"])
@@ -220,17 +229,18 @@ def test_the_lowering_record_has_per_method_times_the_plan_and_the_preflight(low
     assert summary["methods"]["act"]["constants"]["added"] >= 2  # observe's head, which act's graph never reads
     assert summary["preflight"]["ok"] is True and summary["preflight"]["nodes"] > 0
     stages = summary["stage_seconds"]
-    assert {"plan", "save_programs", "methods", "assemble", "extract"} <= set(stages)
-    # The stages are disjoint parts of the lowering's wall time ("methods" starts after the programs are saved).
-    assert sum(stages[k] for k in ("plan", "save_programs", "methods", "assemble", "extract")) <= summary["seconds"]
-    assert not list(lowered["parallel"]["run"].path.glob(".lowering.tmp-*"))  # parts and saved programs gone
+    # In this process no program is saved for a worker to read (the e2e case's workers add "save_programs").
+    assert {"plan", "methods", "assemble", "extract"} <= set(stages) and "save_programs" not in stages
+    # The stages are disjoint parts of the lowering's wall time.
+    assert sum(stages[k] for k in ("plan", "methods", "assemble", "extract")) <= summary["seconds"]
+    assert not list(lowered["run"].path.glob(".lowering.tmp-*"))  # parts and saved programs gone
     # The method's own output names, not the ones the lowered program gives its delegate's outputs.
-    assert json.loads(lowered["parallel"]["run"].io_order_file("act").read_text())["output_names"] == list(
+    assert json.loads(lowered["run"].io_order_file("act").read_text())["output_names"] == list(
         programs()["act"].graph_signature.user_outputs)
 
 
 def test_the_audit_states_what_each_runtime_does_with_the_weights(lowered):
-    run = lowered["parallel"]["run"]
+    run = lowered["run"]
     facts = audit.weights_facts(run.path)
     blob, own = facts["blobs"]["act"], facts["blobs"]["encode"]
     assert facts["shared"] is True and facts["blobs"] == {"observe": blob, "act": blob, "encode": own}
