@@ -12,6 +12,9 @@
 #ifndef ZOO_RUNTIME_PATCHES
 #define ZOO_RUNTIME_PATCHES ""
 #endif
+#ifndef ZOO_RUNTIME_FEATURES
+#define ZOO_RUNTIME_FEATURES ""
+#endif
 
 #include "method_runner.h"
 
@@ -60,6 +63,9 @@ void add_build_facts(JsonObject& obj, bool weight_sharing) {
 #endif
   obj.str("weight_sharing_across_methods", weight_sharing_state(weight_sharing));
   obj.raw("patches", json_strings(split(ZOO_RUNTIME_PATCHES, ',')));
+  // What zoo's build adds beyond ExecuTorch's own runtime (CMakeLists.txt): an artifact's runtime.json names
+  // the features it needs.
+  obj.raw("features", json_strings(split(ZOO_RUNTIME_FEATURES, ',')));
   obj.raw("backends", json_strings(registered_backends()));
 }
 
