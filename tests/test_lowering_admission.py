@@ -277,7 +277,7 @@ def test_lower_to_pte_claims_each_method_s_estimate_for_its_run(monkeypatch, tmp
     monkeypatch.setattr(lowering, "lower_in_workers", capture)
     monkeypatch.setattr(lowering, "lower_in_process", capture)
     recipe = SimpleNamespace(lowering=SimpleNamespace(target=None, workers=None, triton_kernel_mode="OFF",
-                                                      max_mm_configs=None, runtime=None))
+                                                      max_mm_configs=None, runtime=None, gemm="triton"))
     with pytest.raises(_Captured):
         lowering.lower_to_pte(programs(), tmp_path / "run", recipe, workers=count, method_lowering=PROBE_LOWERING,
                               run_preflight=False, say=lambda line: None)

@@ -15,6 +15,7 @@ preflight, to see the symbol the preflight predicts in the compiled .so and the 
 from __future__ import annotations
 
 import copy
+import os
 import json
 from pathlib import Path
 from typing import Dict, Optional
@@ -276,3 +277,61 @@ def test_int64_scatter_add_compiles_to_the_symbol_the_preflight_names(tmp_path):
     inputs = [counts.cuda(), index.cuda()]
     got = runner.run([inputs[i] for i in lowered.methods["forward"].input_order])[0]
     assert got.tolist() == [1, 0, 0, 5, 0, 0, 0, 4]
+
+
+class GemmBlock(nn.Module):
+    """The GEMMs of a DiT block at an action step's small M: a Linear with bias (addmm), one without (mm), a batched
+    product over heads (bmm) with a transposed operand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = nn.Linear(256, 3 * 256)
+        self.out = nn.Linear(256, 256, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        heads = lambda t: t.reshape(32, 4, 64).transpose(0, 1)  # noqa: E731
+        scores = torch.bmm(heads(q), heads(k).transpose(1, 2)) * 0.125
+        mixed = torch.bmm(scores.softmax(-1), heads(v)).transpose(0, 1).reshape(32, 256)
+        return self.out(mixed)
+
+
+@pytest.mark.parametrize("gemm", ["cublas", "autotune"])
+def test_gemms_lowered_to_cublas_shims_match_eager_on_both_runtimes(tmp_path, gemm):
+    """lowering.gemm=cublas puts every GEMM through aoti_torch_cuda_{addmm,mm,bmm}_out; autotune lets Inductor
+    choose per GEMM. Torch's AOTI runner serves the shims from libtorch, zoo_runner (when built) from zoo's cuBLAS
+    shims: both must give eager's numbers under the bf16 rule."""
+    from zoo.contract.recipes import Lowering, Recipe, Source, Unit
+    from zoo.contract.releases import requirement_for
+    from zoo.contract.run_folder import RunFolder
+    from zoo.export import audit
+    from zoo.export.lower import lowering
+    from zoo.runtimes.aoti import AotiRunner
+    from zoo.runtimes.executorch import RUNNER_ENV
+
+    module = GemmBlock().to(torch.bfloat16).cuda().eval()
+    x = torch.randn(32, 256, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        ep = torch.export.export(module, (x,))
+        eager = module(x).float()
+        reference = GemmBlock().double().cuda()(x.double()).float()
+    recipe = Recipe(name="gemm", family="llama", source=Source(repo_id="none/none"), unit=Unit(methods=["forward"]),
+                    lowering=Lowering(triton_kernel_mode="OFF", max_mm_configs=2, gemm=gemm))
+    lowering.lower_to_pte({"forward": ep}, tmp_path, recipe)
+    symbols = set(audit.audit_artifact(tmp_path).methods[0].symbols)
+    if gemm == "cublas":
+        assert {"aoti_torch_cuda_addmm_out", "aoti_torch_cuda_mm_out", "aoti_torch_cuda_bmm_out"} <= symbols
+    run = RunFolder(tmp_path)
+    assert requirement_for(run).features == ["cublas-gemm"]
+    eager_error = float((eager - reference).norm() / reference.norm())
+    runner = AotiRunner(run.so_file("forward"), run.weights_file("forward"))
+    outputs = {"aoti": runner.run([x])[0].float()}
+    if os.environ.get(RUNNER_ENV):
+        from zoo.export.verify_runtimes import executorch_caller
+
+        with executorch_caller(run.pte, run.ptd, ["forward"], "cuda", requirement=requirement_for(run)) as (_, call):
+            outputs["executorch"] = call("forward", [x])[0].float()
+    for name, got in outputs.items():
+        error = float((got - reference).norm() / reference.norm())
+        assert error <= 1.25 * eager_error + 1e-3, (name, error, eager_error)

@@ -31,6 +31,7 @@ from zoo.core.errors import RecipeError
 from zoo.core.progress import warn
 from zoo.contract.gpu_targets import GPUS
 from zoo.contract.quantization import Quantize, expand_override, expand_shorthand, validate_quantize
+from zoo.contract.releases import GEMM_CHOICES
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -86,6 +87,10 @@ class Lowering:
     # LingBot-VA's KV pool: "buffer" (mutable buffer inside each method's .so) or "io" (passed in and out).
     kv_pool: str = "buffer"
     runtime: str = "1.2"  # the ExecuTorch CUDA runtime release the kernel preflight checks against
+    # Who computes the GEMMs: "triton" (ExecuTorch's CUDA backend: Triton templates only, as its runtime has no GEMM
+    # shim), "cublas" (every GEMM through cuBLAS) or "autotune" (per GEMM, whichever Inductor times faster on the
+    # lowering GPU). The last two need zoo's runtime build (runtime.json "features": cublas-gemm; docs/runtime.md).
+    gemm: str = "triton"
     # Methods lowered at once, each in its own worker process (None: one per method, as the machine's cores and
     # memory allow; 1: one after another in the zoo process, for debugging). ZOO_LOWERING_WORKERS overrides it.
     workers: Optional[int] = None
@@ -189,6 +194,7 @@ class Recipe:
         self._validate_dynamic(fail)
         self._validate_verify(need, fail)
         self._validate_policy_check(fail)
+        need(self.lowering.gemm in GEMM_CHOICES, "lowering.gemm", self.lowering.gemm, GEMM_CHOICES)
         if self.lowering.max_mm_configs is not None and self.lowering.max_mm_configs < 1:
             fail(f"lowering.max_mm_configs={self.lowering.max_mm_configs}", "use null (no cap) or a count >= 1")
         if self.lowering.workers is not None and self.lowering.workers < 1:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Set
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
 
 from zoo.core.errors import LoweringError, RuntimeMismatch, ZooError
 
@@ -52,6 +52,62 @@ def load_runtimes(path: Path = RUNTIMES_JSON) -> Dict[str, Release]:
     return {name: resolved[name] for name in raw}
 
 
+@dataclass
+class Feature:
+    """What zoo's runtime build adds to ExecuTorch's runtime of some releases (runtimes.json "features")."""
+
+    name: str
+    about: str
+    releases: List[str]
+    symbols: Set[str]
+    fallback_kernels: Set[str]
+
+
+GEMM_CHOICES = ("triton", "cublas", "autotune")  # recipe lowering.gemm: ExecuTorch's default, cuBLAS, either per GEMM
+GEMM_FEATURE = "cublas-gemm"
+
+
+def load_features(path: Path = RUNTIMES_JSON) -> Dict[str, Feature]:
+    raw = json.loads(Path(path).read_text()).get("features") or {}
+    return {name: Feature(name=name, about=entry["about"], releases=list(entry["releases"]),
+                          symbols=set(entry["symbols"]), fallback_kernels=set(entry["fallback_kernels"]))
+            for name, entry in raw.items()}
+
+
+def lowering_features(lowering: Any) -> List[str]:
+    """The features an artifact lowered with these recipe settings needs from the runtime (none by default)."""
+    return [GEMM_FEATURE] if getattr(lowering, "gemm", "triton") != "triton" else []
+
+
+def row_name(release: str, features: Sequence[str]) -> str:
+    """The audit's row for ``release`` built by zoo with ``features``: ``1.2+cublas-gemm``; the release alone when
+    there are none."""
+    return "+".join([release, *sorted(features)])
+
+
+def with_features(release: Release, features: Sequence[Feature]) -> Release:
+    """``release`` as zoo's runtime build of it, with ``features`` added."""
+    return Release(name=row_name(release.name, [f.name for f in features]),
+                   version=f"{release.version} built by zoo", dtypes=list(release.dtypes),
+                   symbols=set(release.symbols).union(*(f.symbols for f in features)),
+                   allowed_fallback_kernels=set(release.allowed_fallback_kernels).union(
+                       *(f.fallback_kernels for f in features)))
+
+
+def zoo_build_rows(runtimes: Dict[str, Release], symbols: Set[str],
+                   features: Optional[Dict[str, Feature]] = None) -> Dict[str, Release]:
+    """The zoo-built releases an artifact importing ``symbols`` needs beside the stock ones: for each release that
+    zoo builds with every feature whose symbols the artifact imports, one row; none when it imports none."""
+    features = load_features() if features is None else features
+    needed = [f for f in features.values() if f.symbols & symbols]
+    rows: Dict[str, Release] = {}
+    for name, release in runtimes.items():
+        if needed and all(name in f.releases for f in needed):
+            row = with_features(release, needed)
+            rows[row.name] = row
+    return rows
+
+
 def supported_fallback_kernels() -> Set[str]:
     """The installed executorch's compile-time allow-list of ATen fallback kernels."""
     from executorch.backends.cuda.cuda_backend import CudaBackend
@@ -87,6 +143,7 @@ class RuntimeRequirement:
     lowered_with: str  # the executorch package that lowered it, "1.2.0"
     memory_planned: Dict[str, Dict[str, List[bool]]] = field(default_factory=dict)
     inferred: bool = False  # a run lowered before zoo wrote runtime.json: read from its report and model.pte
+    features: List[str] = field(default_factory=list)  # what it needs of zoo's runtime build (runtimes.json)
 
     @property
     def device_io(self) -> bool:
@@ -108,7 +165,8 @@ class RuntimeRequirement:
             planned = {str(m): {"inputs": [bool(x) for x in p["inputs"]], "outputs": [bool(x) for x in p["outputs"]]}
                        for m, p in dict(data.get("memory_planned") or {}).items()}
             return cls(release=str(data["release"]), lowered_with=str(data["lowered_with"]), memory_planned=planned,
-                       inferred=bool(data.get("inferred", False)))
+                       inferred=bool(data.get("inferred", False)),
+                       features=[str(f) for f in data.get("features") or []])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ZooError(f"{where} is not a runtime requirement ({type(exc).__name__}: {exc})",
                            "lower the run again (`python -m zoo lower RUN_DIR`) to rewrite it") from None
@@ -117,12 +175,24 @@ class RuntimeRequirement:
         io = ("graph inputs and outputs are not memory-planned: state stays on the GPU between calls"
               if self.device_io else "some graph inputs or outputs are memory-planned: state handed from call to "
               "call crosses to the host")
-        return f"ExecuTorch runtime {self.release} (lowered with executorch {self.lowered_with}); {io}"
+        needs = f", built by zoo with {', '.join(self.features)}" if self.features else ""
+        return f"ExecuTorch runtime {self.release}{needs} (lowered with executorch {self.lowered_with}); {io}"
+
+    def row(self) -> str:
+        """The audit's row for the runtime this artifact needs: ``1.2``, or ``1.2+cublas-gemm``."""
+        return row_name(self.release, self.features)
 
     def check(self, runner_info: Mapping[str, Any], runner: Any = "zoo_runner") -> None:
         """Refuse a zoo_runner build of another release than the artifact's (its ``--info``)."""
         version = str(runner_info.get("executorch_version") or "unknown")
         if release_of(version) == self.release:
+            missing = [f for f in self.features if f not in (runner_info.get("features") or [])]
+            if missing:
+                raise RuntimeMismatch(
+                    f"the artifact needs {', '.join(missing)} from zoo's build of ExecuTorch's runtime "
+                    f"{self.release} (its lowering used them: runtime.json); {runner} was built without",
+                    f"build the runtime with zoo's script, which adds them: {BUILD_COMMAND.format(version=self.lowered_with)}"
+                    " (docs/runtime.md), or lower the run again with lowering.gemm=triton")
             return
         why = ("; its graph I/O is left out of memory planning and its state kept on the GPU through that release's "
                "CUDA backend") if self.device_io else ""
@@ -134,12 +204,13 @@ class RuntimeRequirement:
             "executorch release of the runtime you have")
 
 
-def lowering_requirement(executorch_version: str, memory_planned: Mapping[str, Mapping[str, List[bool]]]
-                         ) -> RuntimeRequirement:
-    """What a lowering by ``executorch_version`` that planned the methods' I/O as given needs at runtime."""
+def lowering_requirement(executorch_version: str, memory_planned: Mapping[str, Mapping[str, List[bool]]],
+                         features: Sequence[str] = ()) -> RuntimeRequirement:
+    """What a lowering by ``executorch_version`` that planned the methods' I/O as given, with ``features`` of
+    zoo's runtime build, needs at runtime."""
     return RuntimeRequirement(release=release_of(executorch_version), lowered_with=executorch_version.split("+")[0],
                               memory_planned={m: {"inputs": list(p["inputs"]), "outputs": list(p["outputs"])}
-                                              for m, p in memory_planned.items()})
+                                              for m, p in memory_planned.items()}, features=list(features))
 
 
 def requirement_for(run: Any, read_planned: Optional[Any] = None) -> RuntimeRequirement:

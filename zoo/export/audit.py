@@ -26,7 +26,7 @@ from zoo.core.errors import (
 )
 from zoo.core.report import format_table
 from zoo.contract.run_folder import SO_DIR, RunFolder
-from zoo.contract.releases import Release, load_runtimes
+from zoo.contract.releases import Release, load_runtimes, row_name, zoo_build_rows
 from zoo.contract.gpu_targets import KernelTargets, read_targets, reading_elf, runs_on_lines, runs_on_table
 
 SYMBOL_PREFIX = "aoti_torch_"
@@ -202,7 +202,12 @@ def audit_artifact(path: Union[str, Path], runtimes: Optional[Dict[str, Release]
     (default: the installed one, the only one whose programs zoo reads)."""
     runtimes = runtimes if runtimes is not None else load_runtimes()
     path = Path(path)
-    methods = [audit_so(data, name, runtimes, where=str(path)) for name, data in _method_sos(path).items()]
+    sos = _method_sos(path)
+    # An artifact that imports what only zoo's runtime build adds (runtimes.json "features") gets that build's row
+    # beside the stock releases, which cannot load it.
+    imported = {s for name, data in sos.items() for s in undefined_aoti_symbols(data, what=f"the .so of {name!r}")}
+    runtimes = {**runtimes, **zoo_build_rows(runtimes, imported)}
+    methods = [audit_so(data, name, runtimes, where=str(path)) for name, data in sos.items()]
     result = AuditResult(path=str(path), methods=methods, releases={n: r.version for n, r in runtimes.items()})
     result.notes = _notes(result, runtimes)
     result.weights = weights_facts(path)
@@ -400,11 +405,13 @@ def release_of(version: str) -> str:
     return ".".join(version.strip().split(".")[:2])
 
 
-def audit_agreement(audited: AuditResult, version: str, ran: bool, why: str = "", gpu: str = "") -> Dict:
-    """The audit's prediction for the release of runtime ``version`` next to what running it showed (``ran``:
-    it loaded and every call returned; ``why``: else, the failure; ``gpu``: where). A disagreement either way is
-    a finding: the audit or the artifact needs fixing. ``reason`` says why the audit predicts a failure."""
-    release = release_of(version)
+def audit_agreement(audited: AuditResult, version: str, ran: bool, why: str = "", gpu: str = "",
+                    features: Sequence[str] = ()) -> Dict:
+    """The audit's prediction for the release of runtime ``version`` (built by zoo with ``features``, the ones
+    the artifact needs that the runtime has) next to what running it showed (``ran``: it loaded and every call
+    returned; ``why``: else, the failure; ``gpu``: where). A disagreement either way is a finding: the audit or
+    the artifact needs fixing. ``reason`` says why the audit predicts a failure."""
+    release = row_name(release_of(version), features)
     tested = f"by running: ok on {gpu or 'a GPU'}" if ran else f"by running: FAILED: {why or '?'}"
     record = {"release": release, "version": version, "ran": ran, "why": why, "tested": tested}
     if release not in audited.releases:

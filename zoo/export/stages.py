@@ -25,6 +25,7 @@ from zoo.policies.base import ExportUnit
 from zoo.export.policy_check import policy_check_step
 from zoo.export.lower.preflight import PreflightResult
 from zoo.core.report import RunReport, timed_stage
+from zoo.contract.releases import lowering_features, row_name
 from zoo.contract.run_folder import RunFolder
 from zoo.export.verify import VerificationResult, verify_artifact
 from zoo.runtimes.aoti import RunnerFactory
@@ -97,7 +98,8 @@ def preflight_step(programs: Dict[str, ExportedProgram], recipe, report: RunRepo
     with timed_stage(report, "preflight", f"kernel preflight against ExecuTorch CUDA runtime {target}") as facts:
         try:
             result = preflight.require_kernels(programs, target,
-                                               triton_kernel_mode=recipe.lowering.triton_kernel_mode)
+                                               triton_kernel_mode=recipe.lowering.triton_kernel_mode,
+                                               features=lowering_features(recipe.lowering))
         except LoweringError:
             facts["failure"] = "kernels the target runtime cannot run"
             raise
@@ -145,7 +147,7 @@ def audit_step(run: RunFolder, recipe, report: RunReport) -> audit.AuditResult:
         lowered_with = ((report.get("lowering") or {}).get("options") or {}).get("executorch")
         audited = audit.audit_artifact(run.path, lowered_with=lowered_with)
         report.record("audit", audited.summary())
-        target = recipe.lowering.runtime
+        target = row_name(recipe.lowering.runtime, lowering_features(recipe.lowering))
         loads = audited.loadable(target) if target in audited.releases else False
         facts["detail"] = (f"loadable on {', '.join(audited.loadable_releases()) or 'no release'}"
                            + ("" if loads else f"; NOT on the target runtime {target}"))

@@ -464,8 +464,8 @@ def _run_executorch(run: RunFolder, methods: Sequence[str], device: str, choice:
     audit said that release cannot load the artifact: then it is EXPECTED, with the audit's reason."""
     outcome: Dict[str, Any] = {"describe": describe_runner(choice),
                                "release": audit.release_of(str(choice.runner_info.get("executorch_version", "")))}
+    requirement = requirement_for(run, io_memory_planning)
     try:
-        requirement = requirement_for(run, io_memory_planning)
         with executorch_caller(run.pte, run.ptd, methods, device, executable=choice.runner,
                                requirement=requirement) as (loaded, call):
             outcome.update({k: loaded.get(k) for k in ("describe", "load_ms", "gpu_loaded_mib")})
@@ -477,8 +477,9 @@ def _run_executorch(run: RunFolder, methods: Sequence[str], device: str, choice:
         ran, why = False, first_line(exc, limit=300).replace(local, "")
         outcome["log"] = exc.message.replace(local, "")  # ExecuTorch's own log lines, for report.json
     audited = audited if audited is not None else audit.audit_artifact(run.path)
+    has = [f for f in requirement.features if f in (choice.runner_info.get("features") or [])]
     agreement = audit.audit_agreement(audited, str(choice.runner_info.get("executorch_version", "")), ran=ran,
-                                      why=why, gpu=_gpu_info(device).get("name", device))
+                                      why=why, gpu=_gpu_info(device).get("name", device), features=has)
     outcome["audit"] = agreement
     if ran:
         outcome["status"] = RAN

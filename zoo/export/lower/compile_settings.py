@@ -12,6 +12,7 @@ from typing import Any, Dict, Iterator, Optional
 
 import torch
 
+from zoo.contract.releases import GEMM_FEATURE, load_features
 from zoo.core.environ import environ_restored
 from zoo.core.errors import NoGpuError
 
@@ -74,6 +75,38 @@ def inductor_settings(max_mm_configs: Optional[int]) -> Iterator[Dict[str, Any]]
         os.environ.update(env)
         yield {"inductor_cache_dir": env["TORCHINDUCTOR_CACHE_DIR"], "max_mm_configs": max_mm_configs,
                "prune_choices_based_on_shared_mem": True, "triton_ptxas": ptxas}
+
+
+@contextlib.contextmanager
+def gemm_backends(gemm: str) -> Iterator[Dict[str, Any]]:
+    """Who computes the GEMMs (recipe ``lowering.gemm``). ``triton``: ExecuTorch's CUDA backend as it is, Triton
+    templates only. ``cublas``/``autotune``: Inductor's ATen GEMMs (only, or timed against the templates per
+    GEMM), which the .so calls through ``aoti_torch_cuda_{mm,addmm,bmm,baddbmm}_out``: the backend is told these
+    shims exist (zoo's runtime build adds them, runtime/cpp/cublas_gemm.cu). Inductor's cuBLASLt bias variant of
+    addmm is left out: it has no C shim for a .so to call."""
+    if gemm == "triton":
+        yield {"gemm": gemm}
+        return
+    from unittest import mock
+
+    import torch._inductor.config as inductor_config
+    from executorch.backends.cuda.cuda_backend import CudaBackend
+
+    kernels = sorted(load_features()[GEMM_FEATURE].fallback_kernels)
+    backends = "ATEN" if gemm == "cublas" else "ATEN,TRITON"
+    compile_options = CudaBackend.get_aoti_compile_options.__func__
+    fallback_kernels = CudaBackend.get_supported_fallback_kernels.__func__
+
+    def with_aten_gemms(cls, compile_specs):
+        return {**compile_options(cls, compile_specs), "max_autotune_gemm_backends": backends}
+
+    def with_gemm_shims(cls):
+        return {**fallback_kernels(cls), **{kernel: None for kernel in kernels}}
+
+    with mock.patch.object(CudaBackend, "get_aoti_compile_options", classmethod(with_aten_gemms)), \
+            mock.patch.object(CudaBackend, "get_supported_fallback_kernels", classmethod(with_gemm_shims)), \
+            inductor_config.patch({"triton.autotune_cublasLt": False}):
+        yield {"gemm": gemm, "max_autotune_gemm_backends": backends, "shims": kernels}
 
 
 def executorch_config() -> Any:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 from torch.export import ExportedProgram
 
 from zoo.contract.artifact import PTD_NAME, PTE_NAME, ensure_flatc, io_memory_planning
-from zoo.contract.releases import lowering_requirement
+from zoo.contract.releases import lowering_features, lowering_requirement
 from zoo.contract.run_folder import RunFolder, read_program
 from zoo.core.errors import LoweringError
 from zoo.core.progress import Progress
@@ -108,7 +108,8 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
     finally:
         clean_work_folder(work, keep_logs=failed)
     # Read back from the bytes written: what a runtime will find, whichever lowering function made them.
-    requirement = lowering_requirement(compile_settings.executorch_version(), io_memory_planning(run.pte))
+    requirement = lowering_requirement(compile_settings.executorch_version(), io_memory_planning(run.pte),
+                                       options["features"])
     run.write_runtime_requirement(requirement.as_dict())
     return LoweringResult(
         out_dir=str(run.path), pte=PTE_NAME, ptd=PTD_NAME, pte_bytes=run.pte.stat().st_size,
@@ -170,7 +171,8 @@ def lowering_options(recipe, run_preflight: bool, target_plan: Optional[TargetPl
     """The options every method's lowering gets (JSON: they travel to the workers)."""
     lowering = recipe.lowering
     return {"triton_kernel_mode": lowering.triton_kernel_mode, "max_mm_configs": lowering.max_mm_configs,
-            "runtime": lowering.runtime, "preflight": run_preflight,
+            "gemm": lowering.gemm, "features": lowering_features(lowering), "runtime": lowering.runtime,
+            "preflight": run_preflight,
             "target": target_plan.record() if target_plan is not None else None}
 
 

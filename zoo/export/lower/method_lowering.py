@@ -16,7 +16,7 @@ from torch.export import ExportedProgram
 
 from zoo.contract.releases import compile_specs
 from zoo.core.errors import LoweringError, ZooError, first_line
-from zoo.export.lower.compile_settings import executorch_config, inductor_settings
+from zoo.export.lower.compile_settings import executorch_config, gemm_backends, inductor_settings
 from zoo.export.lower.constant_plan import ConstantPlan, inductor_follows_plan, plan_values
 from zoo.export.lower.preflight import PreflightResult, require_kernels
 from zoo.export.lower.target import target_compile
@@ -51,7 +51,8 @@ def lower_with_partitioner(method: str, program: ExportedProgram, options: Dict[
                            partitioner: Any) -> LoweredMethod:
     """One method through ``partitioner``'s backend (``program`` is consumed: ExecuTorch's lowering changes it).
 
-    ``options`` (JSON): ``triton_kernel_mode``, ``max_mm_configs``, ``runtime`` (the preflight's target),
+    ``options`` (JSON): ``triton_kernel_mode``, ``max_mm_configs``, ``gemm`` and ``features`` (who computes the
+    GEMMs, and what that needs of the runtime), ``runtime`` (the preflight's target),
     ``target`` (``lowering_target.TargetPlan.record()``: the compile settings for another GPU, or None),
     ``preflight`` (run the kernel preflight on the edge program, before compiling), ``constant_plan``
     (``ConstantPlan.as_dict()``: this method's ``.so`` carries exactly the plan's constants, in its order).
@@ -65,9 +66,11 @@ def lower_with_partitioner(method: str, program: ExportedProgram, options: Dict[
     def preflight(edge_program: ExportedProgram) -> Optional[PreflightResult]:
         if not options.get("preflight"):
             return None
-        return require_kernels({method: edge_program}, options.get("runtime", "1.2"), triton_kernel_mode=mode)
+        return require_kernels({method: edge_program}, options.get("runtime", "1.2"), triton_kernel_mode=mode,
+                               features=options.get("features") or ())
 
-    with inductor_settings(options.get("max_mm_configs")), target_compile(options.get("target")):
+    with inductor_settings(options.get("max_mm_configs")), target_compile(options.get("target")), \
+            gemm_backends(options.get("gemm", "triton")):
         follow = inductor_follows_plan(plan, plan_values(program, plan)) if plan else contextlib.nullcontext([])
         with follow as tables:
             try:

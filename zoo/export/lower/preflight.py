@@ -20,7 +20,7 @@ from zoo.kernels import KERNEL_DTYPES, SPLIT_KV_ATTENTION, SPLIT_KV_ATTENTION_NA
 from zoo.rewrites.graph import schema_get
 from zoo.rewrites.result import source_line
 from zoo.rewrites.triton_unsafe_sdpa import NAME as TRITON_SDPA_REWRITE, triton_sdpa_faults
-from zoo.contract.releases import compile_specs, load_runtimes, supported_fallback_kernels
+from zoo.contract.releases import compile_specs, load_features, load_runtimes, supported_fallback_kernels, with_features
 from zoo.export.lower.kernel_routes import Decomposer, kernel_route, node_value
 
 aten = torch.ops.aten
@@ -230,17 +230,21 @@ def kernel_needs(program: ExportedProgram, method: str, *, triton_kernel_mode: s
 
 
 def check_kernels(programs: Dict[str, ExportedProgram], runtime: str = "1.2", *, triton_kernel_mode: str = "ON",
-                  capability: Optional[Tuple[int, int]] = None) -> PreflightResult:
-    """The fallback kernels every method needs, judged against ExecuTorch's allow-list and ``runtime``'s shims."""
+                  capability: Optional[Tuple[int, int]] = None, features: Sequence[str] = ()) -> PreflightResult:
+    """The fallback kernels every method needs, judged against ExecuTorch's allow-list and ``runtime``'s shims
+    (with ``features`` of zoo's runtime build: their kernels are allowed and their shims provided)."""
     start = time.perf_counter()
     releases = load_runtimes()
     if runtime not in releases:
         raise LoweringError(f"unknown runtime release {runtime!r} for the kernel preflight",
                             f"set lowering.runtime to one of: {', '.join(releases)}")
     release = releases[runtime]
+    added = [load_features()[name] for name in features]  # zoo's build of the release: more shims, more kernels
+    if added:
+        release = with_features(release, added)
     if capability is None and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability()
-    allowed = supported_fallback_kernels()
+    allowed = supported_fallback_kernels().union(*(f.fallback_kernels for f in added))
     decomposer = Decomposer()
     programs = edge_programs(programs, triton_kernel_mode)
     needs: List[KernelNeed] = []
@@ -292,9 +296,10 @@ def _judge(found: Dict[str, Any], release, allowed: Set[str]) -> Tuple[bool, str
 
 
 def require_kernels(programs: Dict[str, ExportedProgram], runtime: str = "1.2", *, triton_kernel_mode: str = "ON",
-                    capability: Optional[Tuple[int, int]] = None) -> PreflightResult:
+                    capability: Optional[Tuple[int, int]] = None, features: Sequence[str] = ()) -> PreflightResult:
     """``check_kernels``, raising ``LoweringError`` with the refused kernels listed when there are any."""
-    result = check_kernels(programs, runtime, triton_kernel_mode=triton_kernel_mode, capability=capability)
+    result = check_kernels(programs, runtime, triton_kernel_mode=triton_kernel_mode, capability=capability,
+                           features=features)
     if not result.ok:
         lines = [f"  - {n.method}: {n.kernel} (from {n.source_op} at {n.where}): {n.why}" for n in result.refused]
         raise KernelPreflightRefused(

@@ -287,7 +287,8 @@ def _build_lines(manifest: Mapping[str, Any], runtime: Mapping[str, Any], repo_i
     state kept on the GPU) is run with zoo's ``zoo_runner``."""
     requirement = manifest.get("runtime") if isinstance(manifest.get("runtime"), Mapping) else {}
     clone = f"git clone --branch {runtime['ref']} --recursive https://github.com/pytorch/executorch.git ../executorch"
-    if not _device_io(manifest):
+    features = list(requirement.get("features") or [])
+    if not _device_io(manifest) and not features:
         return ["```bash", f"hf download {repo_id} --local-dir artifact && cd artifact", clone,
                 "cmake -S ../executorch -B ../executorch/cmake-out -DCMAKE_BUILD_TYPE=Release \\",
                 "  -DEXECUTORCH_BUILD_CUDA=ON -DEXECUTORCH_BUILD_EXECUTOR_RUNNER=ON \\",
@@ -310,7 +311,11 @@ def _build_lines(manifest: Mapping[str, Any], runtime: Mapping[str, Any], repo_i
             "the state one call hands to the next never crosses to the host. ExecuTorch's `executor_runner` "
             "gives an output no memory it did not plan, so it cannot run this artifact; `zoo_runner` runs each "
             "method by name on tensor files or on values it holds on the GPU (`$NAME`, `keep:NAME`; "
-            "`zoo_runner --help`), and `zoo.runner.load(..., backend=\"executorch\")` drives it from Python."]
+            "`zoo_runner --help`), and `zoo.runner.load(..., backend=\"executorch\")` drives it from Python."
+            + (f" It also needs what zoo's build adds to that runtime: {', '.join(features)} (`runtime.json`). Its "
+               "GEMMs call cuBLAS through `aoti_torch_cuda_mm_out` and its kin, which ExecuTorch's own runtime "
+               "lacks: a stock build refuses the `.so` at load, and `scripts/build_runtime.sh` adds them."
+               if features else "")]
 
 
 def _provenance_section(manifest: Mapping[str, Any]) -> List[str]:
