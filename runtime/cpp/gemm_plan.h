@@ -47,13 +47,13 @@ inline Operand column_major(const Matrix& x) {
   return o;
 }
 
-// Row-major with leading dimension ld: (i, j) at i * ld + j.
+inline Matrix transposed(const Matrix& x) {
+  return {x.cols, x.rows, x.col_stride, x.row_stride};
+}
+
+// Row-major with leading dimension ld: (i, j) at i * ld + j, which is x^T column-major.
 inline Operand row_major(const Matrix& x) {
-  Operand o;
-  const int64_t ld = x.rows == 1 ? std::max<int64_t>(1, x.cols) : x.row_stride;
-  o.ok = (x.cols == 1 || x.col_stride == 1) && ld >= std::max<int64_t>(1, x.cols);
-  o.ld = ld;
-  return o;
+  return column_major(transposed(x));
 }
 
 // x as a BLAS operand of shape rows x cols (transposed = false) or cols x rows (transposed = true).
