@@ -73,6 +73,10 @@ def test_an_artifact_that_needs_the_shims_refuses_a_runtime_built_without_them()
     with pytest.raises(RuntimeMismatch):  # a zoo_runner older than the "features" key
         requirement.check({"executorch_version": "1.2.0"})
     requirement.check({"executorch_version": "1.2.0", "features": [GEMM_FEATURE]})
+    from zoo.runtimes.executorch import describe
+
+    assert describe({"executorch_version": "1.2.0", "cuda": True, "features": [GEMM_FEATURE]}).endswith(
+        "zoo's additions: cublas-gemm)")
     assert requirement.row() == "1.2+cublas-gemm"
     assert "built by zoo with cublas-gemm" in requirement.describe()
     again = RuntimeRequirement.from_dict(requirement.as_dict())

@@ -59,8 +59,10 @@ def test_info_names_the_build():
     assert isinstance(info["patches"], list)
     if info["cuda"]:
         assert "CudaBackend" in info["backends"]
+        assert set(info["features"]) <= {"cublas-gemm"}  # without cuBLAS the configure warns and leaves it out
     else:
         assert info["weight_sharing_across_methods"].startswith("not applicable")
+        assert info["features"] == []  # the cuBLAS shims go into the CUDA backend's shim library
 
 
 def test_single_call_mode_writes_outputs_and_times(program, tmp_path):

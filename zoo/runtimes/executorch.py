@@ -64,8 +64,9 @@ def describe(info: Dict[str, Any]) -> str:
     """One line for a report: which runtime ran the artifact."""
     cuda = "CUDA backend" if info.get("cuda") else "portable only, no CUDA backend"
     patches = f"; zoo's patches: {', '.join(info['patches'])}" if info.get("patches") else ""
+    features = f"; zoo's additions: {', '.join(info['features'])}" if info.get("features") else ""
     return (f"ExecuTorch runtime {info.get('executorch_version', '?')} (zoo_runner, {cuda}; weight sharing across "
-            f"methods: {info.get('weight_sharing_across_methods', '?')}{patches})")
+            f"methods: {info.get('weight_sharing_across_methods', '?')}{patches}{features})")
 
 
 def require_protocol(info: Dict[str, Any], executable: Any, what: str) -> None:
