@@ -115,6 +115,12 @@ def test_a_library_calling_the_gemm_shim_loads_on_zoos_build_only(tmp_path):
     # Running zoo's build that has the feature agrees with the audit; a stock 1.2 that failed agrees too.
     ran = audit.audit_agreement(result, "1.2.0", ran=True, features=[GEMM_FEATURE])
     assert ran["release"] == "1.2+cublas-gemm" and ran["agrees"] is True
+    # The command line: --require names a stock release or zoo's build of one.
+    assert audit.audit_main([str(so), "--require", "1.2"]) == 1
+    assert audit.audit_main([str(so), "--require", "1.2+cublas-gemm"]) == 0
+    from zoo.core.errors import LoweringError
+
+    assert audit.audit_main([str(so), "--require", "1.3+cublas-gemm"]) == LoweringError.exit_code  # zoo builds 1.2
     failed = audit.audit_agreement(result, "1.2.0", ran=False, why="undefined symbol: aoti_torch_cuda_mm_out")
     assert failed["release"] == "1.2" and failed["agrees"] is True and "lacks aoti_torch_cuda_mm_out" in failed["reason"]
 

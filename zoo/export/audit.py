@@ -26,7 +26,7 @@ from zoo.core.errors import (
 )
 from zoo.core.report import format_table
 from zoo.contract.run_folder import SO_DIR, RunFolder
-from zoo.contract.releases import Release, load_runtimes, row_name, zoo_build_rows
+from zoo.contract.releases import Release, load_features, load_runtimes, row_name, with_features, zoo_build_rows
 from zoo.contract.gpu_targets import KernelTargets, read_targets, reading_elf, runs_on_lines, runs_on_table
 
 SYMBOL_PREFIX = "aoti_torch_"
@@ -382,9 +382,7 @@ def audit_main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         runtimes = load_runtimes()
-        if args.require and args.require not in runtimes:
-            raise LoweringError(f"unknown runtime release {args.require!r}",
-                                f"releases in the table: {', '.join(runtimes)}")
+        required = _required_release(args.require, runtimes) if args.require else None
         result = audit_artifact(args.path, runtimes)
     except ZooError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -393,8 +391,22 @@ def audit_main(argv: Optional[Sequence[str]] = None) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     print(json.dumps(result.as_dict(), indent=2) if args.json else result.table(title=True))
-    ok = result.loadable(args.require) if args.require else bool(result.loadable_releases())
+    if required is not None:
+        ok = all(set(m.symbols) <= required.symbols for m in result.methods)
+    else:
+        ok = bool(result.loadable_releases())
     return EXIT_OK if ok else EXIT_CHECK_FAILED
+
+
+def _required_release(name: str, runtimes: Dict[str, Release]) -> Release:
+    """``--require``'s release: one of the table's (``1.2``), or zoo's build of one with features
+    (``1.2+cublas-gemm``)."""
+    base, *wanted = name.split("+")
+    features = load_features()
+    if base not in runtimes or any(f not in features or base not in features[f].releases for f in wanted):
+        rows = [*runtimes, *(row_name(r, [f]) for f, feature in features.items() for r in feature.releases)]
+        raise LoweringError(f"unknown runtime release {name!r}", f"releases in the table: {', '.join(rows)}")
+    return with_features(runtimes[base], [features[f] for f in wanted]) if wanted else runtimes[base]
 
 
 # --- tested by running: the audit's prediction against a runtime that ran the artifact ----------------------------
