@@ -137,3 +137,30 @@ def test_the_card_sends_a_cublas_artifact_to_zoos_runtime_build():
     plain = RuntimeRequirement(release="1.2", lowered_with="1.2.0",
                                memory_planned={"forward": {"inputs": [True], "outputs": [True]}})
     assert "executor_runner -j" in "\n".join(_build_lines({"runtime": plain.as_dict()}, {"ref": "v1.2.0"}, "org/x"))
+
+
+def test_the_preflight_names_the_gemm_shims_a_cublas_lowering_calls_and_allows_them():
+    import torch
+    from torch import nn
+
+    from zoo.export.lower import preflight
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 8)
+
+        def forward(self, x, y):
+            return self.proj(x), torch.bmm(y, y.transpose(1, 2))
+
+    with torch.no_grad():
+        ep = torch.export.export(Block(), (torch.randn(4, 16), torch.randn(2, 3, 5)))
+    programs = {"forward": ep}
+    plain = preflight.check_kernels(programs, "1.2", triton_kernel_mode="OFF")
+    assert plain.ok and not plain.needs  # Triton templates: no shim
+    for gemm in ("cublas", "autotune"):
+        result = preflight.check_kernels(programs, "1.2", triton_kernel_mode="OFF", gemm=gemm)
+        assert result.ok, result.refused
+        kernels = sorted(n.kernel for n in result.needs)
+        assert kernels == ["aoti_torch_cuda_addmm_out", "aoti_torch_cuda_bmm_out"], kernels
+        assert all("allowed and provided by runtime 1.2+cublas-gemm" in n.why for n in result.needs)

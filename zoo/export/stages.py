@@ -99,7 +99,7 @@ def preflight_step(programs: Dict[str, ExportedProgram], recipe, report: RunRepo
         try:
             result = preflight.require_kernels(programs, target,
                                                triton_kernel_mode=recipe.lowering.triton_kernel_mode,
-                                               features=lowering_features(recipe.lowering))
+                                               gemm=recipe.lowering.gemm)
         except LoweringError:
             facts["failure"] = "kernels the target runtime cannot run"
             raise

@@ -19,6 +19,7 @@ aten = torch.ops.aten
 GEMM_OPS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
             aten.convolution.default}
 GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # torch._inductor.utils.use_triton_template
+SHIM_GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}  # zoo's cublas_gemm.cu
 SCATTER_OPS = {aten.scatter.src, aten.scatter.value, aten.scatter.reduce, aten.scatter.value_reduce,
                aten.scatter_.src, aten.scatter_.value, aten.scatter_.reduce, aten.scatter_.value_reduce,
                aten.scatter_add.default, aten.scatter_add_.default,
@@ -122,8 +123,9 @@ def has_complex(node: torch.fx.Node) -> bool:
 
 
 def kernel_route(op: torch._ops.OpOverload, node: torch.fx.Node,
-           capability: Optional[Tuple[int, int]]) -> Optional[Dict[str, Any]]:
-    """How Inductor compiles one (decomposed) op on CUDA; None when it becomes generated Triton code."""
+           capability: Optional[Tuple[int, int]], gemm: str = "triton") -> Optional[Dict[str, Any]]:
+    """How Inductor compiles one (decomposed) op on CUDA; None when it becomes generated Triton code. ``gemm``:
+    the recipe's ``lowering.gemm`` (with cublas or autotune a GEMM may call zoo's cuBLAS shim)."""
     from torch._inductor.lowering import lowerings
 
     if op.namespace == "triton":  # executorch's own Triton kernels (triton_op): compiled in, no shim
@@ -139,6 +141,11 @@ def kernel_route(op: torch._ops.OpOverload, node: torch.fx.Node,
                     "why": f"a {str(out.dtype).replace('torch.', '')} GEMM: Inductor's Triton GEMM templates take "
                            "fp16/bf16/fp32 only and ExecuTorch allows no ATen GEMM, so the compile has no choice; "
                            "compute it in float32 (e.g. rotary_pairs=float32)"}
+        if gemm != "triton" and op in SHIM_GEMMS and out.dtype in (torch.bfloat16, torch.float32):
+            symbol = f"aoti_torch_cuda_{op._opname}_out"
+            return {"path": "c_shim", "kernel": symbol, "symbol": symbol,
+                    "why": "an ATen GEMM (lowering.gemm=" + gemm + (", if Inductor times it faster than the "
+                           "templates" if gemm == "autotune" else "") + "): zoo's cuBLAS shim"}
         return None
     if op in SCATTER_OPS:
         falls, check_op = _scatter_route(op, node, capability)

@@ -67,7 +67,7 @@ def lower_with_partitioner(method: str, program: ExportedProgram, options: Dict[
         if not options.get("preflight"):
             return None
         return require_kernels({method: edge_program}, options.get("runtime", "1.2"), triton_kernel_mode=mode,
-                               features=options.get("features") or ())
+                               gemm=options.get("gemm", "triton"))
 
     with inductor_settings(options.get("max_mm_configs")), target_compile(options.get("target")), \
             gemm_backends(options.get("gemm", "triton")):

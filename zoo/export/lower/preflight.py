@@ -20,7 +20,8 @@ from zoo.kernels import KERNEL_DTYPES, SPLIT_KV_ATTENTION, SPLIT_KV_ATTENTION_NA
 from zoo.rewrites.graph import schema_get
 from zoo.rewrites.result import source_line
 from zoo.rewrites.triton_unsafe_sdpa import NAME as TRITON_SDPA_REWRITE, triton_sdpa_faults
-from zoo.contract.releases import compile_specs, load_features, load_runtimes, supported_fallback_kernels, with_features
+from zoo.contract.releases import (GEMM_FEATURE, compile_specs, load_features, load_runtimes, supported_fallback_kernels,
+                                   with_features)
 from zoo.export.lower.kernel_routes import Decomposer, kernel_route, node_value
 
 aten = torch.ops.aten
@@ -193,8 +194,8 @@ def runs_split_kv_kernel(node: torch.fx.Node) -> bool:
 
 
 def kernel_needs(program: ExportedProgram, method: str, *, triton_kernel_mode: str = "ON",
-                 capability: Optional[Tuple[int, int]] = None,
-                 decomposer: Optional[Decomposer] = None) -> Tuple[List[Dict[str, Any]], int]:
+                 capability: Optional[Tuple[int, int]] = None, decomposer: Optional[Decomposer] = None,
+                 gemm: str = "triton") -> Tuple[List[Dict[str, Any]], int]:
     """Every kernel the edge-dialect ``program`` would need outside generated Triton code, before any
     allow-list is applied; also the number of op nodes looked at."""
     decomposer = decomposer or Decomposer()
@@ -223,23 +224,23 @@ def kernel_needs(program: ExportedProgram, method: str, *, triton_kernel_mode: s
         for part_op, part_node in parts:
             if part_op is None:
                 continue
-            route = kernel_route(part_op, part_node, capability)
+            route = kernel_route(part_op, part_node, capability, gemm)
             if route is not None:
                 found.append({"node": node, "source_op": source, "op": str(part_op), **route})
     return found, count
 
 
 def check_kernels(programs: Dict[str, ExportedProgram], runtime: str = "1.2", *, triton_kernel_mode: str = "ON",
-                  capability: Optional[Tuple[int, int]] = None, features: Sequence[str] = ()) -> PreflightResult:
+                  capability: Optional[Tuple[int, int]] = None, gemm: str = "triton") -> PreflightResult:
     """The fallback kernels every method needs, judged against ExecuTorch's allow-list and ``runtime``'s shims
-    (with ``features`` of zoo's runtime build: their kernels are allowed and their shims provided)."""
+    (with ``gemm`` other than triton, zoo's build of the runtime: its cuBLAS shims are allowed and provided)."""
     start = time.perf_counter()
     releases = load_runtimes()
     if runtime not in releases:
         raise LoweringError(f"unknown runtime release {runtime!r} for the kernel preflight",
                             f"set lowering.runtime to one of: {', '.join(releases)}")
     release = releases[runtime]
-    added = [load_features()[name] for name in features]  # zoo's build of the release: more shims, more kernels
+    added = [load_features()[GEMM_FEATURE]] if gemm != "triton" else []  # zoo's build: more shims and kernels
     if added:
         release = with_features(release, added)
     if capability is None and torch.cuda.is_available():
@@ -253,7 +254,7 @@ def check_kernels(programs: Dict[str, ExportedProgram], runtime: str = "1.2", *,
     seen: Set[Tuple[str, str, str]] = set()
     for method, program in programs.items():
         found, count = kernel_needs(program, method, triton_kernel_mode=triton_kernel_mode, capability=capability,
-                                    decomposer=decomposer)
+                                    decomposer=decomposer, gemm=gemm)
         total += count
         compiled_in = sum(1 for node in _graph_nodes(program)
                           if _aten_op(node.target) is SPLIT_KV_ATTENTION and runs_split_kv_kernel(node))
@@ -296,10 +297,10 @@ def _judge(found: Dict[str, Any], release, allowed: Set[str]) -> Tuple[bool, str
 
 
 def require_kernels(programs: Dict[str, ExportedProgram], runtime: str = "1.2", *, triton_kernel_mode: str = "ON",
-                    capability: Optional[Tuple[int, int]] = None, features: Sequence[str] = ()) -> PreflightResult:
+                    capability: Optional[Tuple[int, int]] = None, gemm: str = "triton") -> PreflightResult:
     """``check_kernels``, raising ``LoweringError`` with the refused kernels listed when there are any."""
     result = check_kernels(programs, runtime, triton_kernel_mode=triton_kernel_mode, capability=capability,
-                           features=features)
+                           gemm=gemm)
     if not result.ok:
         lines = [f"  - {n.method}: {n.kernel} (from {n.source_op} at {n.where}): {n.why}" for n in result.refused]
         raise KernelPreflightRefused(
