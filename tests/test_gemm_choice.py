@@ -122,7 +122,8 @@ def test_a_library_calling_the_gemm_shim_loads_on_zoos_build_only(tmp_path):
 
     assert audit.audit_main([str(so), "--require", "1.3+cublas-gemm"]) == LoweringError.exit_code  # zoo builds 1.2
     failed = audit.audit_agreement(result, "1.2.0", ran=False, why="undefined symbol: aoti_torch_cuda_mm_out")
-    assert failed["release"] == "1.2" and failed["agrees"] is True and "lacks aoti_torch_cuda_mm_out" in failed["reason"]
+    assert failed["release"] == "1.2" and failed["agrees"] is True
+    assert "lacks aoti_torch_cuda_mm_out" in failed["reason"]
 
 
 def test_the_card_sends_a_cublas_artifact_to_zoos_runtime_build():
@@ -164,3 +165,37 @@ def test_the_preflight_names_the_gemm_shims_a_cublas_lowering_calls_and_allows_t
         kernels = sorted(n.kernel for n in result.needs)
         assert kernels == ["aoti_torch_cuda_addmm_out", "aoti_torch_cuda_bmm_out"], kernels
         assert all("allowed and provided by runtime 1.2+cublas-gemm" in n.why for n in result.needs)
+
+
+def test_the_choice_reaches_a_method_s_compile(monkeypatch):
+    """From the recipe to the options a worker gets (JSON) to the backend settings in force while it compiles."""
+    import json
+
+    import torch
+    from executorch.backends.cuda.cuda_backend import CudaBackend
+
+    from zoo.contract.releases import compile_specs
+    from zoo.export.lower import lowering, method_lowering
+
+    recipe = load_recipe("llama-rope-tiny", overrides=["lowering.gemm=autotune"])
+    options = json.loads(json.dumps(lowering.lowering_options(recipe, False, None)))  # as a worker reads them
+    assert options["gemm"] == "autotune" and options["features"] == [GEMM_FEATURE]
+    seen = {}
+
+    from zoo.core.errors import ZooError
+
+    class Stop(ZooError):  # a zoo error passes through the lowering's own wrapping
+        pass
+
+    def compile_now(method, program, partitioner, seconds, preflight):
+        seen["backends"] = CudaBackend.get_aoti_compile_options(compile_specs(method, "OFF"))[
+            "max_autotune_gemm_backends"]
+        raise Stop("compiled")
+
+    monkeypatch.setattr(method_lowering, "edge_and_lower", compile_now)
+    program = torch.export.export(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+    with pytest.raises(Stop):
+        method_lowering.lower_with_partitioner("forward", program, options, partitioner=None)
+    assert seen["backends"] == "ATEN,TRITON"
+    after = CudaBackend.get_aoti_compile_options(compile_specs("forward", "OFF"))
+    assert after["max_autotune_gemm_backends"] == "TRITON"

@@ -191,8 +191,9 @@ class RuntimeRequirement:
                 raise RuntimeMismatch(
                     f"the artifact needs {', '.join(missing)} from zoo's build of ExecuTorch's runtime "
                     f"{self.release} (its lowering used them: runtime.json); {runner} was built without",
-                    f"build the runtime with zoo's script, which adds them: {BUILD_COMMAND.format(version=self.lowered_with)}"
-                    " (docs/runtime.md), or lower the run again with lowering.gemm=triton")
+                    "build the runtime with zoo's script, which adds them: "
+                    f"{BUILD_COMMAND.format(version=self.lowered_with)} (docs/runtime.md), or lower the run again "
+                    "with lowering.gemm=triton")
             return
         why = ("; its graph I/O is left out of memory planning and its state kept on the GPU through that release's "
                "CUDA backend") if self.device_io else ""

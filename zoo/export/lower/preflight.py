@@ -20,8 +20,8 @@ from zoo.kernels import KERNEL_DTYPES, SPLIT_KV_ATTENTION, SPLIT_KV_ATTENTION_NA
 from zoo.rewrites.graph import schema_get
 from zoo.rewrites.result import source_line
 from zoo.rewrites.triton_unsafe_sdpa import NAME as TRITON_SDPA_REWRITE, triton_sdpa_faults
-from zoo.contract.releases import (GEMM_FEATURE, compile_specs, load_features, load_runtimes, supported_fallback_kernels,
-                                   with_features)
+from zoo.contract.releases import (GEMM_FEATURE, compile_specs, load_features, load_runtimes,
+                                   supported_fallback_kernels, with_features)
 from zoo.export.lower.kernel_routes import Decomposer, kernel_route, node_value
 
 aten = torch.ops.aten
