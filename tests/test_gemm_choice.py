@@ -77,12 +77,11 @@ def test_an_artifact_that_needs_the_shims_refuses_a_runtime_built_without_them()
 
     assert describe({"executorch_version": "1.2.0", "cuda": True, "features": [GEMM_FEATURE]}).endswith(
         "zoo's additions: cublas-gemm)")
-    assert requirement.row() == "1.2+cublas-gemm"
     assert "built by zoo with cublas-gemm" in requirement.describe()
     again = RuntimeRequirement.from_dict(requirement.as_dict())
     assert again.features == [GEMM_FEATURE]
     old = {"release": "1.2", "lowered_with": "1.2.0"}  # runtime.json before the key existed
-    assert RuntimeRequirement.from_dict(old).features == [] and RuntimeRequirement.from_dict(old).row() == "1.2"
+    assert RuntimeRequirement.from_dict(old).features == []
 
 
 def test_the_audit_adds_zoos_build_only_for_an_artifact_that_imports_its_shims():

@@ -178,10 +178,6 @@ class RuntimeRequirement:
         needs = f", built by zoo with {', '.join(self.features)}" if self.features else ""
         return f"ExecuTorch runtime {self.release}{needs} (lowered with executorch {self.lowered_with}); {io}"
 
-    def row(self) -> str:
-        """The audit's row for the runtime this artifact needs: ``1.2``, or ``1.2+cublas-gemm``."""
-        return row_name(self.release, self.features)
-
     def check(self, runner_info: Mapping[str, Any], runner: Any = "zoo_runner") -> None:
         """Refuse a zoo_runner build of another release than the artifact's (its ``--info``)."""
         version = str(runner_info.get("executorch_version") or "unknown")

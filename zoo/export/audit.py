@@ -378,8 +378,8 @@ def audit_main(argv: Optional[Sequence[str]] = None) -> int:
             EXIT_INTERRUPTED: "interrupted (Ctrl-C)"}))
     parser.add_argument("path", help="a run folder, a CUDA .pte written by ExecuTorch 1.2, or a .so")
     parser.add_argument("--json", action="store_true", help="print the audit as JSON")
-    parser.add_argument("--require", metavar="RELEASE", help="exit 1 unless this release (1.2; or zoo's build of it with a "
-                        "feature, 1.2+cublas-gemm) can load the artifact")
+    parser.add_argument("--require", metavar="RELEASE", help="exit 1 unless this release (1.2; or zoo's build "
+                        "of it with a feature, 1.2+cublas-gemm) can load the artifact")
     args = parser.parse_args(argv)
     try:
         runtimes = load_runtimes()
