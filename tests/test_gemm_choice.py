@@ -11,8 +11,8 @@ import subprocess
 import pytest
 
 from zoo.contract.recipes import load_recipe
-from zoo.contract.releases import (GEMM_FEATURE, RuntimeRequirement, load_features, load_runtimes, lowering_features,
-                                   zoo_build_rows)
+from zoo.contract.releases import (GEMM_FEATURE, RuntimeRequirement, features_for, load_features, load_runtimes,
+                                   lowering_features, zoo_build_rows)
 from zoo.core.errors import RecipeError, RuntimeMismatch
 from zoo.export import audit
 from zoo.export.lower.compile_settings import gemm_backends
@@ -87,6 +87,9 @@ def test_an_artifact_that_needs_the_shims_refuses_a_runtime_built_without_them()
 def test_the_audit_adds_zoos_build_only_for_an_artifact_that_imports_its_shims():
     runtimes = load_runtimes()
     assert zoo_build_rows(runtimes, {"aoti_torch_get_data_ptr"}) == {}
+    # What the lowering writes into runtime.json, from the symbols the .so files import.
+    assert [f.name for f in features_for({"aoti_torch_get_data_ptr", "aoti_torch_cuda_bmm_out"})] == [GEMM_FEATURE]
+    assert features_for({"aoti_torch_get_data_ptr"}) == []
     rows = zoo_build_rows(runtimes, {"aoti_torch_get_data_ptr", "aoti_torch_cuda_mm_out"})
     assert list(rows) == ["1.2+cublas-gemm"]  # the only release zoo builds with the shims
     row = rows["1.2+cublas-gemm"]
@@ -178,7 +181,7 @@ def test_the_choice_reaches_a_method_s_compile(monkeypatch):
 
     recipe = load_recipe("llama-rope-tiny", overrides=["lowering.gemm=autotune"])
     options = json.loads(json.dumps(lowering.lowering_options(recipe, False, None)))  # as a worker reads them
-    assert options["gemm"] == "autotune" and options["features"] == [GEMM_FEATURE]
+    assert options["gemm"] == "autotune"
     seen = {}
 
     from zoo.core.errors import ZooError

@@ -323,7 +323,9 @@ def test_gemms_lowered_to_cublas_shims_match_eager_on_both_runtimes(tmp_path, ge
     if gemm == "cublas":
         assert {"aoti_torch_cuda_addmm_out", "aoti_torch_cuda_mm_out", "aoti_torch_cuda_bmm_out"} <= symbols
     run = RunFolder(tmp_path)
-    assert requirement_for(run).features == ["cublas-gemm"]
+    # runtime.json names the feature exactly when the .so calls a shim (autotune may have kept every template).
+    calls_shims = any(s.startswith("aoti_torch_cuda_") and s.endswith("mm_out") for s in symbols)
+    assert requirement_for(run).features == (["cublas-gemm"] if calls_shims else [])
     eager_error = float((eager - reference).norm() / reference.norm())
     runner = AotiRunner(run.so_file("forward"), run.weights_file("forward"))
     outputs = {"aoti": runner.run([x])[0].float()}

@@ -94,12 +94,17 @@ def with_features(release: Release, features: Sequence[Feature]) -> Release:
                        *(f.fallback_kernels for f in features)))
 
 
+def features_for(symbols: Set[str], features: Optional[Dict[str, Feature]] = None) -> List[Feature]:
+    """The features of zoo's runtime build whose shims an artifact importing ``symbols`` calls."""
+    features = load_features() if features is None else features
+    return [f for f in features.values() if f.symbols & symbols]
+
+
 def zoo_build_rows(runtimes: Dict[str, Release], symbols: Set[str],
                    features: Optional[Dict[str, Feature]] = None) -> Dict[str, Release]:
     """The zoo-built releases an artifact importing ``symbols`` needs beside the stock ones: for each release that
     zoo builds with every feature whose symbols the artifact imports, one row; none when it imports none."""
-    features = load_features() if features is None else features
-    needed = [f for f in features.values() if f.symbols & symbols]
+    needed = features_for(symbols, features)
     rows: Dict[str, Release] = {}
     for name, release in runtimes.items():
         if needed and all(name in f.releases for f in needed):

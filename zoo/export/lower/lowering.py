@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 from torch.export import ExportedProgram
 
 from zoo.contract.artifact import PTD_NAME, PTE_NAME, ensure_flatc, io_memory_planning
-from zoo.contract.releases import lowering_features, lowering_requirement
+from zoo.contract.releases import features_for, lowering_requirement
 from zoo.contract.run_folder import RunFolder, read_program
 from zoo.core.errors import LoweringError
 from zoo.core.progress import Progress
@@ -31,6 +31,7 @@ from zoo.export.lower.method_lowering import CUDA_LOWERING, MethodLowering
 from zoo.export.lower.outputs import (LoweringResult, clean_work_folder, program_files, weights_record,
                                       write_artifacts)
 from zoo.export.lower.preflight import PreflightResult
+from zoo.export.audit import undefined_aoti_symbols
 from zoo.export.lower.target import NATIVE, TargetPlan, check_lowered, local_device, plan_target
 from zoo.export.lower.workers import MethodJob, MethodPart, choose_workers, lower_in_process, lower_in_workers
 
@@ -107,9 +108,11 @@ def lower_to_pte(programs: Mapping[str, Union[ExportedProgram, Path]], run: Unio
         failed = False
     finally:
         clean_work_folder(work, keep_logs=failed)
-    # Read back from the bytes written: what a runtime will find, whichever lowering function made them.
+    # Read back from the bytes written: what a runtime will find, whichever lowering function made them. The
+    # features are the shims the .so files import (lowering.gemm=autotune may have chosen no cuBLAS GEMM at all).
+    imported = {s for a in methods_record.values() for s in undefined_aoti_symbols(run.path / a.so)}
     requirement = lowering_requirement(compile_settings.executorch_version(), io_memory_planning(run.pte),
-                                       options["features"])
+                                       [f.name for f in features_for(imported)])
     run.write_runtime_requirement(requirement.as_dict())
     return LoweringResult(
         out_dir=str(run.path), pte=PTE_NAME, ptd=PTD_NAME, pte_bytes=run.pte.stat().st_size,
@@ -171,8 +174,7 @@ def lowering_options(recipe, run_preflight: bool, target_plan: Optional[TargetPl
     """The options every method's lowering gets (JSON: they travel to the workers)."""
     lowering = recipe.lowering
     return {"triton_kernel_mode": lowering.triton_kernel_mode, "max_mm_configs": lowering.max_mm_configs,
-            "gemm": lowering.gemm, "features": lowering_features(lowering), "runtime": lowering.runtime,
-            "preflight": run_preflight,
+            "gemm": lowering.gemm, "runtime": lowering.runtime, "preflight": run_preflight,
             "target": target_plan.record() if target_plan is not None else None}
 
 
