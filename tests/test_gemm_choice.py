@@ -137,6 +137,7 @@ def test_the_card_sends_a_cublas_artifact_to_zoos_runtime_build():
     # Planned I/O alone would send it to executor_runner; the shims it imports need zoo's build.
     assert "executor_runner -j" not in text and "scripts/build_runtime.sh" in text
     assert "needs what zoo's build adds to that runtime: cublas-gemm" in text
+    assert "left out of memory planning" not in text  # its I/O is planned: only the shims send it to zoo's build
     plain = RuntimeRequirement(release="1.2", lowered_with="1.2.0",
                                memory_planned={"forward": {"inputs": [True], "outputs": [True]}})
     assert "executor_runner -j" in "\n".join(_build_lines({"runtime": plain.as_dict()}, {"ref": "v1.2.0"}, "org/x"))

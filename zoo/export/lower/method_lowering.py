@@ -51,8 +51,8 @@ def lower_with_partitioner(method: str, program: ExportedProgram, options: Dict[
                            partitioner: Any) -> LoweredMethod:
     """One method through ``partitioner``'s backend (``program`` is consumed: ExecuTorch's lowering changes it).
 
-    ``options`` (JSON): ``triton_kernel_mode``, ``max_mm_configs``, ``gemm`` and ``features`` (who computes the
-    GEMMs, and what that needs of the runtime), ``runtime`` (the preflight's target),
+    ``options`` (JSON): ``triton_kernel_mode``, ``max_mm_configs``, ``gemm`` (who computes the GEMMs: the recipe's
+    ``lowering.gemm``), ``runtime`` (the preflight's target),
     ``target`` (``lowering_target.TargetPlan.record()``: the compile settings for another GPU, or None),
     ``preflight`` (run the kernel preflight on the edge program, before compiling), ``constant_plan``
     (``ConstantPlan.as_dict()``: this method's ``.so`` carries exactly the plan's constants, in its order).

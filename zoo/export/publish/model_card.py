@@ -299,23 +299,24 @@ def _build_lines(manifest: Mapping[str, Any], runtime: Mapping[str, Any], repo_i
                 "Without `--inputs` the runner feeds all-ones tensors; pass raw little-endian tensor files, one per "
                 "input in the order of the table above, as `--inputs a.bin,b.bin`."]
     release = requirement["release"]
+    device_io = ("Its graph inputs and outputs are left out of memory planning, so that a host can pass GPU "
+                 f"pointers as inputs and keep outputs on the GPU (ExecuTorch {release}'s backend options "
+                 "`skip_copy_output_to_cpu_for_method` and `use_shared_cuda_stream`): the state one call hands to the "
+                 "next never crosses to the host. ExecuTorch's `executor_runner` gives an output no memory it did "
+                 "not plan, so it cannot run this artifact; ") if _device_io(manifest) else ""
+    additions = (f" It also needs what zoo's build adds to that runtime: {', '.join(features)} (`runtime.json`). Its "
+                 "GEMMs call cuBLAS through `aoti_torch_cuda_mm_out` and its kin, which ExecuTorch's own runtime "
+                 "lacks: a stock build refuses the `.so` at load, and `scripts/build_runtime.sh` adds them."
+                 if features else "")
     return ["```bash", f"hf download {repo_id} --local-dir artifact && cd artifact", clone,
             "# in a checkout of zoo: ExecuTorch's runtime, its CUDA backend and zoo_runner (docs/runtime.md)",
             "scripts/build_runtime.sh ../executorch build/runtime",
             "build/runtime/build/zoo_runner --model model.pte --data aoti_cuda_blob.ptd --plan -",
             "```", "",
             f"It needs ExecuTorch's runtime **{release}** (`runtime.json`; lowered with executorch "
-            f"{requirement.get('lowered_with', '?')}). Its graph inputs and outputs are left out of memory planning, "
-            "so that a host can pass GPU pointers as inputs and keep outputs on the GPU (ExecuTorch "
-            f"{release}'s backend options `skip_copy_output_to_cpu_for_method` and `use_shared_cuda_stream`): "
-            "the state one call hands to the next never crosses to the host. ExecuTorch's `executor_runner` "
-            "gives an output no memory it did not plan, so it cannot run this artifact; `zoo_runner` runs each "
-            "method by name on tensor files or on values it holds on the GPU (`$NAME`, `keep:NAME`; "
-            "`zoo_runner --help`), and `zoo.runner.load(..., backend=\"executorch\")` drives it from Python."
-            + (f" It also needs what zoo's build adds to that runtime: {', '.join(features)} (`runtime.json`). Its "
-               "GEMMs call cuBLAS through `aoti_torch_cuda_mm_out` and its kin, which ExecuTorch's own runtime "
-               "lacks: a stock build refuses the `.so` at load, and `scripts/build_runtime.sh` adds them."
-               if features else "")]
+            f"{requirement.get('lowered_with', '?')}). {device_io}`zoo_runner` runs each method by name on tensor "
+            "files or on values it holds on the GPU (`$NAME`, `keep:NAME`; `zoo_runner --help`), and "
+            "`zoo.runner.load(..., backend=\"executorch\")` drives it from Python." + additions]
 
 
 def _provenance_section(manifest: Mapping[str, Any]) -> List[str]:
