@@ -1,5 +1,5 @@
 // cuBLAS GEMMs for AOTInductor-compiled methods: the aoti_torch_cuda_{mm,addmm,bmm,baddbmm}_out shims that a .so
-// calls where Inductor chose ATen's GEMM over a Triton template (recipe `lowering.gemm: cublas`).
+// calls where Inductor chose ATen's GEMM over a Triton template (recipe `lowering.gemm: cublas`, or `autotune`).
 //
 // Why: ExecuTorch 1.2's CUDA runtime has no GEMM shim, so its backend compiles every GEMM as a Triton template,
 // which is weak at the small M of an action step (docs/benchmarks.md). zoo's runtime build adds these four to
