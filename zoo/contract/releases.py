@@ -74,9 +74,15 @@ def load_features(path: Path = RUNTIMES_JSON) -> Dict[str, Feature]:
             for name, entry in raw.items()}
 
 
+def gemm_features(gemm: str) -> List[Feature]:
+    """What zoo's runtime build must add for GEMMs computed as recipe ``lowering.gemm`` says: its cuBLAS shims for
+    ``cublas`` and ``autotune``, nothing for ExecuTorch's own ``triton``."""
+    return [load_features()[GEMM_FEATURE]] if gemm != "triton" else []
+
+
 def lowering_features(lowering: Any) -> List[str]:
-    """The features an artifact lowered with these recipe settings needs from the runtime (none by default)."""
-    return [GEMM_FEATURE] if getattr(lowering, "gemm", "triton") != "triton" else []
+    """The features an artifact lowered with these recipe settings may need from the runtime (none by default)."""
+    return [f.name for f in gemm_features(getattr(lowering, "gemm", "triton"))]
 
 
 def row_name(release: str, features: Sequence[str]) -> str:

@@ -148,9 +148,9 @@ class AuditResult:
         return self.tested.get(release, INFERRED)
 
 
-def audit_so(data: bytes, method: str, runtimes: Dict[str, Release], where: str = "") -> MethodAudit:
-    what = f"the .so of method {method!r}" + (f" in {where}" if where else "")
-    symbols = undefined_aoti_symbols(data, what=what)
+def audit_so(data: bytes, method: str, symbols: List[str], runtimes: Dict[str, Release], where: str) -> MethodAudit:
+    """One method's .so (``symbols``: its undefined aoti_torch_* symbols) against every release."""
+    what = f"the .so of method {method!r} in {where}"
     dtypes = sorted(s[len(DTYPE_PREFIX):] for s in symbols if s.startswith(DTYPE_PREFIX))
     missing = {name: sorted(set(symbols) - rel.symbols) for name, rel in runtimes.items()}
     return MethodAudit(method=method, so_bytes=len(data), symbols=symbols, dtypes=dtypes, missing=missing,
@@ -203,11 +203,12 @@ def audit_artifact(path: Union[str, Path], runtimes: Optional[Dict[str, Release]
     runtimes = runtimes if runtimes is not None else load_runtimes()
     path = Path(path)
     sos = _method_sos(path)
+    symbols = {name: undefined_aoti_symbols(data, what=f"the .so of method {name!r} in {path}")
+               for name, data in sos.items()}
     # An artifact that imports what only zoo's runtime build adds (runtimes.json "features") gets that build's row
     # beside the stock releases, which cannot load it.
-    imported = {s for name, data in sos.items() for s in undefined_aoti_symbols(data, what=f"the .so of {name!r}")}
-    runtimes = {**runtimes, **zoo_build_rows(runtimes, imported)}
-    methods = [audit_so(data, name, runtimes, where=str(path)) for name, data in sos.items()]
+    runtimes = {**runtimes, **zoo_build_rows(runtimes, set().union(*symbols.values()))}
+    methods = [audit_so(data, name, symbols[name], runtimes, str(path)) for name, data in sos.items()]
     result = AuditResult(path=str(path), methods=methods, releases={n: r.version for n, r in runtimes.items()})
     result.notes = _notes(result, runtimes)
     result.weights = weights_facts(path)

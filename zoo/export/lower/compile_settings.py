@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterator, Optional
 
 import torch
 
-from zoo.contract.releases import GEMM_FEATURE, load_features
+from zoo.contract.releases import gemm_features
 from zoo.core.environ import environ_restored
 from zoo.core.errors import NoGpuError
 
@@ -92,7 +92,7 @@ def gemm_backends(gemm: str) -> Iterator[Dict[str, Any]]:
     import torch._inductor.config as inductor_config
     from executorch.backends.cuda.cuda_backend import CudaBackend
 
-    kernels = sorted(load_features()[GEMM_FEATURE].fallback_kernels)
+    kernels = sorted(k for feature in gemm_features(gemm) for k in feature.fallback_kernels)
     backends = "ATEN" if gemm == "cublas" else "ATEN,TRITON"
     compile_options = CudaBackend.get_aoti_compile_options.__func__
     fallback_kernels = CudaBackend.get_supported_fallback_kernels.__func__

@@ -20,8 +20,8 @@ from zoo.kernels import KERNEL_DTYPES, SPLIT_KV_ATTENTION, SPLIT_KV_ATTENTION_NA
 from zoo.rewrites.graph import schema_get
 from zoo.rewrites.result import source_line
 from zoo.rewrites.triton_unsafe_sdpa import NAME as TRITON_SDPA_REWRITE, triton_sdpa_faults
-from zoo.contract.releases import (GEMM_FEATURE, compile_specs, load_features, load_runtimes,
-                                   supported_fallback_kernels, with_features)
+from zoo.contract.releases import (compile_specs, gemm_features, load_runtimes, supported_fallback_kernels,
+                                   with_features)
 from zoo.export.lower.kernel_routes import Decomposer, kernel_route, node_value
 
 aten = torch.ops.aten
@@ -240,7 +240,7 @@ def check_kernels(programs: Dict[str, ExportedProgram], runtime: str = "1.2", *,
         raise LoweringError(f"unknown runtime release {runtime!r} for the kernel preflight",
                             f"set lowering.runtime to one of: {', '.join(releases)}")
     release = releases[runtime]
-    added = [load_features()[GEMM_FEATURE]] if gemm != "triton" else []  # zoo's build: more shims and kernels
+    added = gemm_features(gemm)  # zoo's build of the release: more shims, more kernels
     if added:
         release = with_features(release, added)
     if capability is None and torch.cuda.is_available():
